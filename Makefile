@@ -1,0 +1,33 @@
+# The two commands a new user needs: `make demo` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-slow test-faults bench clean
+
+setup: $(STAMP)
+
+# Install the CPU torch wheel first where no torch is present: a bare `torch` requirement
+# would otherwise pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dynaresize run --out runs/demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(VENV)/bin/dynaresize bench sim --out bench-out/sim
+	$(VENV)/bin/dynaresize bench resize --out bench-out/resize
+
+clean:
+	rm -rf $(VENV) runs bench-out .pytest_cache

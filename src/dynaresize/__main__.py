@@ -1,0 +1,3 @@
+from dynaresize.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,15 @@
+"""`dynaresize run` (placeholder until its issue lands)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="(not yet implemented)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    print("dynaresize run: not implemented yet")
+    return 1

@@ -1,0 +1,411 @@
+"""Run configuration: frozen keyword-only dataclasses, one per section, validated whole.
+
+Pure: no Ray, torch or I/O except `load_file` (reads a TOML/YAML/JSON file) and nothing else.
+
+How a config is made: a preset (a plain function returning a nested dict) -> an optional file
+-> repeated `--set section.field=value` overrides -> `build_config(dict)`, which checks every
+field and raises one `ConfigError` listing every bad field path and value. The resolved config
+is `config_to_dict(cfg)`, saved with every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynaresize.errors import ConfigError
+
+POLICY_NAMES = ("hysteresis", "static", "static-profiled", "greedy", "lend", "scripted")
+FAULT_KINDS = ("kill", "stop")
+FAULT_POINTS = ("rollout", "train", "weight_sync", "resize.reshard", "resize.switch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    devices: int = 4
+    rollout_devices: int = 2  # initial split (the policy may change it)
+    address: str | None = None  # None: a local Ray; otherwise a cluster address
+    backend: str = "auto"  # auto | gloo | nccl
+    cpus_per_device: float = 0.5  # Ray CPU resources per worker on CPU devices
+    torch_threads: int = 1  # fixed: bitwise-reproducible math needs a fixed thread count
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.devices >= 2, "devices", self.devices, "needs at least 2 devices")
+        err.need(0 < self.rollout_devices < self.devices, "rollout_devices", self.rollout_devices,
+                 f"must be between 1 and devices-1 ({self.devices - 1})")
+        err.need(self.backend in ("auto", "gloo", "nccl"), "backend", self.backend, "must be auto, gloo or nccl")
+        err.need(self.cpus_per_device > 0, "cpus_per_device", self.cpus_per_device, "must be > 0")
+        err.need(self.torch_threads >= 1, "torch_threads", self.torch_threads, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    path: str | None = None  # an HF causal-LM directory; None: the tiny built-in Qwen2
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    vocab_size: int = 2048
+    init_seed: int = 0
+
+    def check(self, err: "_Errors") -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "vocab_size"):
+            err.need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        err.need(self.hidden_size % max(self.num_heads, 1) == 0, "hidden_size", self.hidden_size,
+                 f"must be a multiple of num_heads ({self.num_heads})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    name: str = "toy-count"  # built-in toy task; ignored when prompts_file is set
+    prompts_file: str | None = None  # JSONL with a `prompt` field per line
+    reward: str | None = None  # `module:function` or `path/to/file.py:function`
+    on_reward_error: str = "fail"  # fail | zero
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.on_reward_error in ("fail", "zero"), "on_reward_error", self.on_reward_error,
+                 "must be fail or zero")
+        if self.reward is not None:
+            err.need(":" in self.reward, "reward", self.reward, "must be module:function or file.py:function")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    backend: str = "hf"  # hf | vllm | sglang (the last two GPU only)
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    synthetic_lengths: bool = False  # draw each response length from a workload model
+    length_workload: str = "longtail-drift"
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.backend in ("hf", "vllm", "sglang"), "backend", self.backend, "must be hf, vllm or sglang")
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
+            err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        err.need(self.temperature > 0, "temperature", self.temperature, "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    micro_batch_size: int = 4  # samples per micro-batch; composition fixed by sample index
+    staleness: int = 1  # 0 = synchronous; 1 = one-step off-policy
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.lr > 0, "lr", self.lr, "must be > 0")
+        err.need(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        err.need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas,
+                 "must be two numbers in [0, 1)")
+        err.need(self.eps > 0, "eps", self.eps, "must be > 0")
+        err.need(self.clip_eps > 0, "clip_eps", self.clip_eps, "must be > 0")
+        err.need(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
+        err.need(self.micro_batch_size >= 1, "micro_batch_size", self.micro_batch_size, "must be >= 1")
+        err.need(self.staleness in (0, 1), "staleness", self.staleness, "must be 0 or 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    name: str = "hysteresis"
+    static_rollout: int | None = None  # for `static`: rollout devices (None: the initial split)
+    schedule: str = ""  # for `scripted`: "STEP:R,STEP:R,..." (before STEP, rollout pool = R)
+    min_rollout: int = 1
+    min_train: int = 1
+    move_unit: int = 1
+    profile_steps: int = 3  # steps `static-profiled` (and the start of every dynamic policy) watch
+    enter_band: float = 0.10  # relative predicted gain that arms a move
+    exit_band: float = 0.04  # relative gain under which an armed move disarms
+    dwell_steps: int = 2  # the gain must persist this many steps
+    cooldown_steps: int = 2  # no move within this many steps of the last one
+    horizon_steps: int = 20  # the predicted gain is summed over this many steps
+    cost_margin: float = 2.0  # the predicted gain must beat the move cost times this
+    greedy_threshold: float = 1.2  # greedy: move when slower/faster stage time exceeds this
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.name in POLICY_NAMES or self.name.startswith("static:"), "name", self.name,
+                 f"must be one of {', '.join(POLICY_NAMES)} or static:R")
+        err.need(self.min_rollout >= 1, "min_rollout", self.min_rollout, "must be >= 1")
+        err.need(self.min_train >= 1, "min_train", self.min_train, "must be >= 1")
+        err.need(self.move_unit >= 1, "move_unit", self.move_unit, "must be >= 1")
+        err.need(self.profile_steps >= 1, "profile_steps", self.profile_steps, "must be >= 1")
+        err.need(0 <= self.exit_band <= self.enter_band, "exit_band", self.exit_band,
+                 f"must be in [0, enter_band={self.enter_band}]")
+        err.need(self.dwell_steps >= 1, "dwell_steps", self.dwell_steps, "must be >= 1")
+        err.need(self.cooldown_steps >= 0, "cooldown_steps", self.cooldown_steps, "must be >= 0")
+        err.need(self.horizon_steps >= 1, "horizon_steps", self.horizon_steps, "must be >= 1")
+        err.need(self.cost_margin >= 1, "cost_margin", self.cost_margin, "must be >= 1")
+        err.need(self.greedy_threshold > 1, "greedy_threshold", self.greedy_threshold, "must be > 1")
+        if self.name == "scripted":
+            err.need(bool(self.schedule), "schedule", self.schedule, "scripted policy needs a schedule")
+        if self.schedule:
+            try:
+                parse_schedule(self.schedule)
+            except ValueError as exc:
+                err.add("schedule", self.schedule, str(exc))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReshardConfig:
+    staging_bytes: int = 4 << 20  # bound on the staging buffer a reshard may hold per rank
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.staging_bytes >= 64, "staging_bytes", self.staging_bytes, "must be >= 64")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeoutsConfig:
+    collective_s: float = 600.0  # every group gets an explicit timeout (gloo's default is 30 min)
+    actor_call_s: float = 900.0
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.collective_s > 0, "collective_s", self.collective_s, "must be > 0")
+        err.need(self.actor_call_s > 0, "actor_call_s", self.actor_call_s, "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 0  # 0: only the final checkpoint
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.every_steps >= 0, "every_steps", self.every_steps, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    steps: int = 12
+    seed: int = 0
+    deterministic: bool = False
+    faults: tuple[str, ...] = ()  # "KIND:DEVICE@POINT:STEP"
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    reshard: ReshardConfig = field(default_factory=ReshardConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        for spec in self.faults:
+            try:
+                parse_fault(spec)
+            except ValueError as exc:
+                err.add("faults", spec, str(exc))
+        p, c = self.policy, self.cluster
+        if c.devices >= 2:
+            err.need(p.min_rollout + p.min_train <= c.devices, "policy.min_rollout", p.min_rollout,
+                     f"min_rollout + min_train ({p.min_rollout}+{p.min_train}) exceeds devices ({c.devices})")
+
+
+# ---------------------------------------------------------------- parsing helpers
+
+
+def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
+    """"2:3,4:1" -> ((2, 3), (4, 1)): before step 2 the rollout pool has 3 devices, ..."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        step_s, sep, r_s = part.partition(":")
+        if not sep or not step_s.strip().isdigit() or not r_s.strip().isdigit():
+            raise ValueError(f"entry {part!r} is not STEP:R")
+        out.append((int(step_s), int(r_s)))
+    if [s for s, _ in out] != sorted({s for s, _ in out}):
+        raise ValueError("steps must be strictly increasing")
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    kind: str
+    device: int
+    point: str
+    step: int
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """"kill:1@train:3" -> FaultSpec(kind="kill", device=1, point="train", step=3)."""
+    head, at, tail = text.partition("@")
+    kind, _, dev = head.partition(":")
+    point, _, step = tail.rpartition(":")
+    if not at or kind not in FAULT_KINDS or not dev.isdigit() or point not in FAULT_POINTS or not step.isdigit():
+        raise ValueError(f"expected KIND:DEVICE@POINT:STEP with KIND in {FAULT_KINDS} and POINT in {FAULT_POINTS}")
+    return FaultSpec(kind=kind, device=int(dev), point=point, step=int(step))
+
+
+class _Errors:
+    """Collects `path: value: message` lines while a config is built."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.prefix = ""
+
+    def add(self, name: str, value: Any, message: str) -> None:
+        self.lines.append(f"{self.prefix}{name}={value!r}: {message}")
+
+    def need(self, ok: bool, name: str, value: Any, message: str) -> None:
+        if not ok:
+            self.add(name, value, message)
+
+
+def _coerce(tp: Any, value: Any, path: str, err: _Errors) -> Any:
+    """Convert `value` to the annotated type `tp`, or record an error and return None."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path, err)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v] if args[-1] is Ellipsis and args[0] is str else value
+        if not isinstance(value, (list, tuple)):
+            err.add(path, value, "must be a list")
+            return None
+        item_types = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
+        if len(item_types) != len(value):
+            err.add(path, value, f"must have {len(item_types)} items")
+            return None
+        return tuple(_coerce(t, v, f"{path}[{i}]", err) for i, (t, v) in enumerate(zip(item_types, value)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        err.add(path, value, "must be true or false")
+        return None
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        err.add(path, value, "must be an integer")
+        return None
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            err.add(path, value, "must be a number")
+            return None
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        err.add(path, value, "must be a string")
+        return None
+    return value
+
+
+def _build(cls: type, data: Any, path: str, err: _Errors) -> Any:
+    if not isinstance(data, dict):
+        err.add(path or "config", data, "must be a table of fields")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            err.add(f"{path}{key}", data[key], f"unknown field (known: {', '.join(sorted(names))})")
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, data[f.name], f"{path}{f.name}.", err)
+            continue
+        before = len(err.lines)
+        value = _coerce(tp, data[f.name], f"{path}{f.name}", err)
+        if len(err.lines) == before:
+            kwargs[f.name] = value
+    obj = cls(**kwargs)
+    saved, err.prefix = err.prefix, path
+    obj.check(err)
+    err.prefix = saved
+    return obj
+
+
+def build_config(data: dict, cls: type = RunConfig) -> Any:
+    """Build and validate a config from a nested dict; raise ConfigError listing every problem."""
+    err = _Errors()
+    cfg = _build(cls, data, "", err)
+    if err.lines:
+        raise ConfigError(err.lines)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """The resolved config as plain JSON-able data (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def merge(base: dict, top: dict) -> dict:
+    """Deep-merge `top` over `base` (new dicts; inputs untouched)."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `section.field=value` overrides; values are parsed as YAML scalars (1, 0.5, true)."""
+    import yaml  # a declared dependency; imported here to keep module import light
+
+    out = data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError([f"--set {item!r}: expected section.field=value"])
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node: dict = {}
+        top = node
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+        out = merge(out, top)
+    return out
+
+
+def load_file(path: str | Path) -> dict:
+    """Read a TOML, YAML or JSON config file into a dict; a bad file is a ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"config file {str(p)!r}: not found"])
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
+
+            data = tomllib.loads(text)
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    except Exception as exc:  # any parser's error becomes one line for the user
+        raise ConfigError([f"config file {str(p)!r}: {type(exc).__name__}: {str(exc).splitlines()[0]}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"config file {str(p)!r}: top level must be a table"])
+    return data

@@ -1,0 +1,98 @@
+"""One record stream for simulated and real runs: typed JSON objects, one per line.
+
+Every record is a JSON object whose `kind` names its type. `SCHEMA` lists the fields each kind
+must carry (more may be added); `Recorder.emit` checks them, so a tool reading
+`records.jsonl` can rely on them. docs/records.md documents every kind.
+
+The recorder is the only writer of `records.jsonl`; it appends and flushes each line, so a run
+that dies leaves every record it emitted readable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+SCHEMA: dict[str, tuple[str, ...]] = {
+    "config": ("config",),
+    "step": ("step", "t_start_s", "t_end_s", "rollout_s", "train_s", "sync_s", "num_rollout",
+             "num_train", "idle_device_s", "tail_idle_device_s"),
+    "resize": ("resize_id", "step", "from", "to", "moving", "to_role", "critical_s", "total_s"),
+    "op": ("resize_id", "name", "device", "start_s", "end_s", "bytes", "critical"),
+    "refused": ("step", "requested_rollout", "reason"),
+    "decision": ("step", "action", "reason"),
+    "sample": ("sample_id", "version", "device", "num_tokens", "token_sha1", "reward",
+               "consumed_step", "dropped"),
+    "span": ("device", "name", "start_s", "end_s"),
+    "comm": ("event", "ranks", "critical"),
+    "fault": ("step", "device", "kind", "point"),
+    "recovery": ("step", "lost_devices", "recovery_s", "num_devices"),
+    "summary": ("summary",),
+}
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN or infinity; write them as null so every line parses strictly."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def make_record(kind: str, **fields: Any) -> dict:
+    """A record dict of `kind`; raises ValueError if a schema field is missing."""
+    missing = [f for f in SCHEMA.get(kind, ()) if f not in fields]
+    if kind not in SCHEMA:
+        raise ValueError(f"unknown record kind {kind!r}")
+    if missing:
+        raise ValueError(f"record {kind!r} lacks fields {missing}")
+    return {"kind": kind, **_clean(fields)}
+
+
+class Recorder:
+    """Appends records to a JSONL file (or keeps them in memory when `path` is None)."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.records: list[dict] = []
+        self._fh = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a", encoding="utf-8")
+
+    def emit(self, kind: str, **fields: Any) -> dict:
+        rec = make_record(kind, **fields)
+        self.records.append(rec)
+        if self._fh is not None:
+            self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            self._fh.flush()
+        return rec
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r["kind"] == kind]
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_records(path: str | Path, kind: str | None = None) -> Iterator[dict]:
+    """Yield the records of a `records.jsonl` file, optionally only those of one kind."""
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                rec = json.loads(line)
+                if kind is None or rec.get("kind") == kind:
+                    yield rec

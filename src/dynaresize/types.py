@@ -1,0 +1,190 @@
+"""Values that cross the boundary between policy, controller, simulator and runtime.
+
+Pure: no Ray, torch or I/O. Every value is frozen, so a report or a decision handed to the
+controller cannot change under it, and the same value drives the simulator and the real
+runtime.
+
+Invariants:
+- `Assignment.roles[d]` is the role of device `d`; devices are numbered 0..num_devices-1.
+- `Bounds.allowed(r)` is the single place that says whether `r` rollout devices is legal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+Role = Literal["rollout", "train"]
+ROLLOUT: Role = "rollout"
+TRAIN: Role = "train"
+ROLES: tuple[Role, ...] = (ROLLOUT, TRAIN)
+
+
+def other_role(role: Role) -> Role:
+    return TRAIN if role == ROLLOUT else ROLLOUT
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    """Which role each device holds (device -> role)."""
+
+    roles: tuple[Role, ...]
+
+    @staticmethod
+    def split(num_devices: int, num_rollout: int) -> "Assignment":
+        """The canonical assignment: the first `num_rollout` devices roll out, the rest train."""
+        return Assignment(roles=tuple([ROLLOUT] * num_rollout + [TRAIN] * (num_devices - num_rollout)))
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.roles)
+
+    @property
+    def num_rollout(self) -> int:
+        return sum(1 for r in self.roles if r == ROLLOUT)
+
+    @property
+    def num_train(self) -> int:
+        return self.num_devices - self.num_rollout
+
+    def devices(self, role: Role) -> tuple[int, ...]:
+        return tuple(d for d, r in enumerate(self.roles) if r == role)
+
+    def count(self, role: Role) -> int:
+        return self.num_rollout if role == ROLLOUT else self.num_train
+
+    def moved(self, devices: tuple[int, ...], dst: Role) -> "Assignment":
+        roles = list(self.roles)
+        for d in devices:
+            roles[d] = dst
+        return Assignment(roles=tuple(roles))
+
+    def to_json(self) -> dict:
+        return {"rollout": list(self.devices(ROLLOUT)), "train": list(self.devices(TRAIN))}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bounds:
+    """Limits every policy obeys: minimum devices per role and the move unit.
+
+    `move_unit` is the granularity of a move (for example the rollout tensor-parallel size):
+    the rollout pool is always a multiple of it.
+    """
+
+    num_devices: int
+    min_rollout: int = 1
+    min_train: int = 1
+    move_unit: int = 1
+
+    def allowed(self, num_rollout: int) -> bool:
+        return (
+            self.min_rollout <= num_rollout <= self.num_devices - self.min_train
+            and num_rollout % self.move_unit == 0
+        )
+
+    def splits(self) -> tuple[int, ...]:
+        """Every legal rollout-pool size, ascending."""
+        return tuple(r for r in range(0, self.num_devices + 1) if self.allowed(r))
+
+    def why_not(self, num_rollout: int) -> str | None:
+        """A one-line reason `num_rollout` is illegal, or None when it is legal."""
+        if num_rollout < self.min_rollout:
+            return f"rollout pool {num_rollout} < min_rollout {self.min_rollout}"
+        if self.num_devices - num_rollout < self.min_train:
+            return f"train pool {self.num_devices - num_rollout} < min_train {self.min_train}"
+        if num_rollout % self.move_unit:
+            return f"rollout pool {num_rollout} is not a multiple of move_unit {self.move_unit}"
+        return None
+
+    def nearest(self, num_rollout: float) -> int:
+        """The legal split closest to `num_rollout` (ties go to the smaller pool)."""
+        splits = self.splits()
+        if not splits:
+            raise ValueError(f"no legal split for {self}")
+        return min(splits, key=lambda r: (abs(r - num_rollout), r))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReport:
+    """What one finished step tells the controller. Measured (runtime) or modelled (sim).
+
+    Times are seconds. `rollout_s` is the rollout stage of the step (first request to last
+    response); `rollout_work_s` is the busy device-seconds of the rollout pool and
+    `rollout_longest_s` the duration of the longest single request. Together they let a
+    policy see whether rollout is throughput-bound (work / devices) or tail-bound (the longest
+    request, which more devices do not shorten).
+    """
+
+    step: int
+    now_s: float
+    num_rollout: int
+    num_train: int
+    rollout_s: float
+    train_s: float
+    sync_s: float = 0.0
+    step_s: float = 0.0
+    rollout_work_s: float = 0.0
+    rollout_longest_s: float = 0.0
+    train_fixed_s: float = 0.0
+    num_samples: int = 0
+    response_tokens: int = 0
+    idle_device_s: float = 0.0
+    tail_idle_device_s: float = 0.0
+    resize_critical_s: float | None = None  # measured cost of the move made before this step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Keep:
+    """Leave the assignment as it is."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Move:
+    """Move `num_devices` devices from role `src` to role `dst`."""
+
+    num_devices: int
+    src: Role
+    dst: Role
+    reason: str = ""
+
+    def target_rollout(self, current_rollout: int) -> int:
+        return current_rollout + (self.num_devices if self.dst == ROLLOUT else -self.num_devices)
+
+
+Decision = Union[Keep, Move]
+
+
+def move_to(current_rollout: int, target_rollout: int, reason: str = "") -> Decision:
+    """The decision that takes the rollout pool from `current_rollout` to `target_rollout`."""
+    delta = target_rollout - current_rollout
+    if delta == 0:
+        return Keep(reason=reason)
+    if delta > 0:
+        return Move(num_devices=delta, src=TRAIN, dst=ROLLOUT, reason=reason)
+    return Move(num_devices=-delta, src=ROLLOUT, dst=TRAIN, reason=reason)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Op:
+    """One operation of a resize plan, for one device."""
+
+    name: str
+    device: int
+    critical: bool
+    after: tuple[str, ...] = ()  # names of ops (same device) that must finish first
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResizePlan:
+    """How a resize is carried out: which devices move, and the ops, in order."""
+
+    resize_id: int
+    step: int
+    src: Assignment
+    dst: Assignment
+    moving: tuple[int, ...]
+    to_role: Role
+    ops: tuple[Op, ...] = field(default=())
+    reason: str = ""
