@@ -1,0 +1,132 @@
+"""The sample ledger: proof that a resize changed no RL semantics.
+
+Pure: no Ray, torch or I/O. The driver notes every sample when it is generated and when a
+training step consumes it (or drops it, with a reason); `check()` then proves, for the run:
+
+- every expected sample id `(step, prompt_index, sample_index)` was generated exactly once;
+- each was consumed by exactly one training step, the step of its id, or recorded as dropped
+  with a reason;
+- `consumed_step - version <= staleness` for every consumed sample (the staleness bound);
+- re-issued samples (after a fault) kept their id and seed.
+
+`sample_record()` gives the `sample` record of DESIGN.md section 3 / issue 3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SampleId = tuple[int, int, int]
+
+
+def sample_id_str(sid: SampleId) -> str:
+    return f"{sid[0]}-{sid[1]}-{sid[2]}"
+
+
+@dataclass
+class Entry:
+    sample_id: SampleId
+    version: int
+    device: int
+    num_tokens: int
+    token_sha1: str
+    seed: int
+    reward: float | None = None
+    reward_error: str | None = None
+    consumed_step: int | None = None
+    dropped: str | None = None
+    times_generated: int = 1
+    times_consumed: int = 0
+
+
+@dataclass
+class Ledger:
+    staleness: int
+    entries: dict[SampleId, Entry] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    expected: dict[int, set[SampleId]] = field(default_factory=dict)
+
+    def expect(self, step: int, ids: list[SampleId]) -> None:
+        """Declare the sample ids a step must produce (from the prompt source, not the devices)."""
+        self.expected[step] = set(ids)
+
+    def generated(self, *, sample_id: SampleId, version: int, device: int, num_tokens: int,
+                  token_sha1: str, seed: int) -> Entry:
+        old = self.entries.get(sample_id)
+        if old is not None and old.dropped is None:
+            old.times_generated += 1
+            self.problems.append(f"sample {sample_id_str(sample_id)} generated twice")
+            return old
+        if old is not None and old.seed != seed:
+            self.problems.append(f"sample {sample_id_str(sample_id)} re-issued with a different seed")
+        entry = Entry(sample_id=sample_id, version=version, device=device, num_tokens=num_tokens,
+                      token_sha1=token_sha1, seed=seed)
+        self.entries[sample_id] = entry
+        return entry
+
+    def scored(self, sample_id: SampleId, reward: float, error: str | None = None) -> None:
+        entry = self.entries[sample_id]
+        entry.reward, entry.reward_error = reward, error
+
+    def consumed(self, sample_id: SampleId, step: int) -> None:
+        entry = self.entries.get(sample_id)
+        if entry is None:
+            self.problems.append(f"step {step} consumed unknown sample {sample_id_str(sample_id)}")
+            return
+        entry.times_consumed += 1
+        if entry.consumed_step is not None:
+            self.problems.append(f"sample {sample_id_str(sample_id)} consumed twice")
+        entry.consumed_step = step
+
+    def dropped(self, sample_id: SampleId, reason: str) -> None:
+        entry = self.entries.get(sample_id)
+        if entry is not None and entry.consumed_step is None:
+            entry.dropped = reason
+
+    def check(self) -> list[str]:
+        """All violations found; an empty list means the ledger proves the run's semantics."""
+        out = list(self.problems)
+        for step, ids in sorted(self.expected.items()):
+            missing = [sid for sid in ids if sid not in self.entries]
+            if missing:
+                out.append(f"step {step}: {len(missing)} expected samples never generated, e.g. "
+                           f"{sample_id_str(sorted(missing)[0])}")
+        for sid, e in self.entries.items():
+            if e.consumed_step is None and e.dropped is None:
+                out.append(f"sample {sample_id_str(sid)} neither consumed nor dropped")
+            if e.consumed_step is not None:
+                if e.consumed_step != sid[0]:
+                    out.append(f"sample {sample_id_str(sid)} consumed by step {e.consumed_step}")
+                if e.consumed_step - e.version > self.staleness:
+                    out.append(f"sample {sample_id_str(sid)} version {e.version} too stale for "
+                               f"step {e.consumed_step} (bound {self.staleness})")
+        return out
+
+    def ok(self) -> bool:
+        return not self.check()
+
+    def step_sample_ids(self, step: int) -> set[SampleId]:
+        return {sid for sid, e in self.entries.items() if sid[0] == step and e.consumed_step == step}
+
+
+def sample_record(entry: Entry) -> dict:
+    """The fields of one `sample` record (DESIGN.md section 3)."""
+    return {
+        "sample_id": sample_id_str(entry.sample_id),
+        "version": entry.version,
+        "device": entry.device,
+        "num_tokens": entry.num_tokens,
+        "token_sha1": entry.token_sha1,
+        "reward": entry.reward,
+        "consumed_step": entry.consumed_step,
+        "dropped": entry.dropped,
+        "seed": entry.seed,
+        "reward_error": entry.reward_error,
+    }
+
+
+def token_sha1(token_ids: list[int]) -> str:
+    """sha1 of the response token ids written as decimal numbers joined by commas."""
+    import hashlib
+
+    return hashlib.sha1(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()

@@ -1,0 +1,1 @@
+"""Reports built from records (read only): figures, timelines and traces."""

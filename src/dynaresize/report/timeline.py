@@ -1,0 +1,55 @@
+"""Device timeline PNG of a real run: one row per device, stage and resize spans over time.
+
+Read only: draws `span` records (rollout / train / sync / idle work per device) and `op`
+records (resize operations; critical ones hatched) and marks each resize decision with a line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+COLORS = {
+    "rollout": "#4C72B0", "train": "#DD8452", "weight_sync": "#55A868", "reshard": "#C44E52",
+    "optimizer_overlap": "#8172B3",
+}
+
+
+def write_timeline(records: Iterable[dict], path: str | Path, title: str = "dynaresize run") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    records = list(records)
+    spans = [r for r in records if r["kind"] == "span"]
+    ops = [r for r in records if r["kind"] == "op"]
+    resizes = [r for r in records if r["kind"] == "resize"]
+    devices = sorted({int(r["device"]) for r in spans + ops}) or [0]
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(devices)))
+    for r in spans:
+        color = COLORS.get(r["name"].split(":")[0], "#999999")
+        ax.barh(int(r["device"]), r["end_s"] - r["start_s"], left=r["start_s"], height=0.6,
+                color=color, edgecolor="none")
+    for r in ops:
+        ax.barh(int(r["device"]) + 0.35, max(r["end_s"] - r["start_s"], 1e-3), left=r["start_s"], height=0.2,
+                color="#C44E52" if r["critical"] else "#BBBBBB", hatch="///" if r["critical"] else None,
+                edgecolor="black", linewidth=0.3)
+    for r in resizes:
+        if "t_s" in r:
+            ax.axvline(r["t_s"], color="black", linestyle=":", linewidth=0.8)
+    ax.set_yticks(devices, [f"device {d}" for d in devices])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since start")
+    ax.set_title(title)
+    handles = [Patch(color=c, label=n) for n, c in COLORS.items()]
+    handles += [Patch(facecolor="#C44E52", hatch="///", label="resize op (critical)"),
+                Patch(facecolor="#BBBBBB", label="resize op (background)")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.02 * len(devices) / 4),
+              ncol=4, fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
