@@ -30,16 +30,15 @@ def flatten_params(model: torch.nn.Module) -> torch.Tensor:
 
 def unflatten(flat: torch.Tensor, specs: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
     """Split a flat vector back into a state dict (views into `flat`)."""
+    specs = list(specs)
+    sizes = [int(torch.Size(shape).numel()) for _, shape in specs]
+    if sum(sizes) != flat.numel():
+        raise ValueError(f"flat weights have {flat.numel()} elements, the model needs {sum(sizes)}")
     out: dict[str, torch.Tensor] = {}
     offset = 0
-    for name, shape in specs:
-        n = 1
-        for s in shape:
-            n *= s
+    for (name, shape), n in zip(specs, sizes):
         out[name] = flat[offset:offset + n].view(shape)
         offset += n
-    if offset != flat.numel():
-        raise ValueError(f"flat weights have {flat.numel()} elements, the model needs {offset}")
     return out
 
 
