@@ -1,0 +1,169 @@
+"""A per-worker pool of communicators (process groups), cached by rank set.
+
+A resize must not create a new world, and at steady state (a split seen before) it must not
+create a new group either: `CommPool.create` makes the group of a rank set once and every
+later `create` of the same set is a cache hit. The driver pre-warms, off the critical path,
+the groups of the splits the policy may pick next (`rank_sets_for_split`).
+
+THE POOL'S INVARIANT (callers must keep it): `create` is collective over the whole world.
+Every worker of the world calls `create` for the same rank sets, with the same tags, in the
+same order, including workers that are not members of the set. torch names a group from a
+per-process counter that every `new_group` call advances; if one rank skips or reorders a call,
+names drift and a later group times out (measured: DESIGN.md section 8b;
+`use_local_synchronization=True` was unreliable). The driver keeps it by broadcasting one
+ordered list of rank sets to every worker. Because every rank sees the same sequence, the cache
+holds the same keys on every rank, so a cache hit is skipped consistently everywhere.
+Calls from two threads of one worker are serialised by a lock, but their order across ranks
+is the driver's business: issue pre-warm creates from one place.
+
+Other invariants:
+- Every group gets the pool's explicit timeout.
+- Keys are `(tag, sorted ranks)`. A tag gives a second, independent group over the same
+  ranks, e.g. a "background" group on which optimizer state moves in a thread while the main
+  thread runs collectives on the training group (two threads must never share one group).
+- Counts in `stats()` are identical on every rank (non-members count the call too).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Iterable
+
+import torch.distributed as dist
+
+from dynaresize.comm import rendezvous
+
+RankSet = tuple[int, ...]
+
+
+def _key(ranks: Iterable[int], tag: str) -> tuple[str, RankSet]:
+    rs = tuple(sorted(int(r) for r in ranks))
+    if not rs:
+        raise ValueError("ranks: a group needs at least one rank, got ()")
+    if len(set(rs)) != len(rs):
+        raise ValueError(f"ranks: duplicates in {rs}")
+    return tag, rs
+
+
+class CommPool:
+    """Groups of the live world, created once per (tag, rank set) and cached."""
+
+    def __init__(self, *, timeout_s: float, backend: str | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
+        self._timeout = timedelta(seconds=timeout_s)
+        self._backend = backend  # None: the world's backend
+        self._groups: dict[tuple[str, RankSet], object | None] = {}
+        self._lock = threading.Lock()
+        self._num_created_critical = 0
+        self._num_created_background = 0
+        self._num_cache_hits = 0
+        self._create_s_total = 0.0
+        self._create_s_max = 0.0
+
+    def create(self, ranks: Iterable[int], *, critical: bool, tag: str = "") -> bool:
+        """Create the group of `ranks` unless cached; True when a group was created now.
+
+        Collective over the whole world (see the module invariant). `critical` says whether a
+        device's first useful work waits for this call; it only affects the counts.
+        """
+        key = _key(ranks, tag)
+        with self._lock:
+            if key in self._groups:
+                self._num_cache_hits += 1
+                return False
+            if not dist.is_initialized():
+                raise RuntimeError("CommPool.create: no live world; call init_world first")
+            world_size = dist.get_world_size()
+            if key[1][-1] >= world_size:
+                raise ValueError(f"ranks: {key[1]} outside the world of size {world_size}")
+            start = time.perf_counter()
+            group = dist.new_group(
+                list(key[1]),
+                timeout=self._timeout,
+                backend=self._backend,
+                group_desc=f"dynaresize:{tag or 'default'}:{','.join(map(str, key[1]))}",
+            )
+            elapsed = time.perf_counter() - start
+            # Non-members get a sentinel, not a group: store None so `get` answers plainly.
+            member = dist.get_rank() in key[1]
+            self._groups[key] = group if member else None
+            self._create_s_total += elapsed
+            self._create_s_max = max(self._create_s_max, elapsed)
+            if critical:
+                self._num_created_critical += 1
+            else:
+                self._num_created_background += 1
+            return True
+
+    def create_many(self, rank_sets: Iterable[Iterable[int]], *, critical: bool, tag: str = "") -> int:
+        """`create` each rank set in order; the number of groups created now."""
+        return sum(self.create(rs, critical=critical, tag=tag) for rs in rank_sets)
+
+    def get(self, ranks: Iterable[int], *, tag: str = ""):
+        """The cached group of `ranks`, or None when this worker is not a member.
+
+        KeyError when the set was never created: creating lazily here would break the pool's
+        invariant (only the members would call `new_group`).
+        """
+        key = _key(ranks, tag)
+        with self._lock:
+            if key not in self._groups:
+                raise KeyError(f"no group for ranks {key[1]} (tag {tag!r}); the driver must create it first")
+            return self._groups[key]
+
+    def has(self, ranks: Iterable[int], *, tag: str = "") -> bool:
+        """Whether the group of `ranks` was created (whether or not this worker is a member)."""
+        with self._lock:
+            return _key(ranks, tag) in self._groups
+
+    def clear(self) -> None:
+        """Forget every group (after `rendezvous.destroy_world()`, which destroyed them).
+
+        Counts are kept: they describe the whole life of the worker.
+        """
+        with self._lock:
+            self._groups.clear()
+
+    def stats(self) -> dict:
+        """Counts for records; identical on every rank of the world."""
+        with self._lock:
+            return {
+                "groups_created": self._num_created_critical + self._num_created_background,
+                "groups_created_critical": self._num_created_critical,
+                "groups_created_background": self._num_created_background,
+                "cache_hits": self._num_cache_hits,
+                "world_inits": rendezvous.world_inits(),
+                "num_groups": len(self._groups),
+                "create_s_total": self._create_s_total,
+                "create_s_max": self._create_s_max,
+            }
+
+
+def rank_sets_for_split(
+    train_ranks: Iterable[int],
+    rollout_ranks: Iterable[int],
+    *,
+    sync_root: int | None = None,
+) -> tuple[RankSet, ...]:
+    """The rank sets a split needs, in a fixed order: the training group, then the weight-sync
+    group (`sync_root` (default: the lowest train rank) plus every rollout rank).
+
+    The weight-sync group is left out when there are no rollout ranks. Feed the result of
+    every split the policy may pick next to `CommPool.create_many(..., critical=False)` on
+    every worker, in the same order, to pre-warm them.
+    """
+    train = tuple(sorted(set(int(r) for r in train_ranks)))
+    rollout = tuple(sorted(set(int(r) for r in rollout_ranks)))
+    if not train:
+        raise ValueError("train_ranks: a split needs at least one train rank")
+    if set(train) & set(rollout):
+        raise ValueError(f"rollout_ranks: {rollout} overlaps train_ranks {train}")
+    root = train[0] if sync_root is None else int(sync_root)
+    if root not in train:
+        raise ValueError(f"sync_root: {root} is not a train rank of {train}")
+    if not rollout:
+        return (train,)
+    return (train, tuple(sorted((root, *rollout))))

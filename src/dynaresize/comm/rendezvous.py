@@ -1,0 +1,169 @@
+"""Joining the one torch.distributed world of a run, once per generation.
+
+Every device worker joins one world (gloo on CPU, NCCL on CUDA) when it starts, and keeps
+it: a resize never creates a new world (groups for rank sets come from `comm.pool.CommPool`).
+`world_inits()` counts the worlds this process initialised, so the runtime can prove it.
+
+Generations: after a worker is lost, the survivors may form a new world generation on a
+fresh port (a fresh TCP store, hence a fresh key space): every survivor calls
+`destroy_world()`, drops its pool (`CommPool.clear()`), then `init_world(...,
+generation=g + 1)` with the new rank numbering. Destroying the world also resets torch's
+group-name counter, so groups created in the new generation get matching names on every rank.
+
+Invariants:
+- At most one world is live per process; `init_world` with the generation already live (same
+  rank and size) is a no-op, anything else while a world is live is refused.
+- Every world gets an explicit timeout (gloo's default is 30 minutes; a survivor of a lost
+  rank would hang that long).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_lock = threading.Lock()
+_num_world_inits = 0
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """The live world of this process."""
+
+    rank: int
+    world_size: int
+    backend: str
+    generation: int
+    init_method: str
+    timeout_s: float
+
+
+_live: WorldInfo | None = None
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this host (the OS picks it).
+
+    There is a small window in which another process may take it; callers that lose the race
+    get a clear bind error from the store and retry with a new port.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def node_ip() -> str:
+    """This node's IP address as other nodes of the Ray cluster see it (127.0.0.1 alone)."""
+    try:
+        import ray  # only present in the real shell; the import is cheap when already loaded
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    try:
+        # A UDP "connect" sends nothing; it only asks the kernel which interface would route.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def world_init_method(ip: str, port: int) -> str:
+    """The `init_method` URL of a world whose TCP store rank 0 hosts at `ip:port`."""
+    if not ip or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port: expected 1..65535 and a non-empty ip, got ip={ip!r} port={port!r}")
+    host = f"[{ip}]" if ":" in ip else ip  # IPv6 literals need brackets in a URL
+    return f"tcp://{host}:{port}"
+
+
+def default_backend() -> str:
+    """NCCL where CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_world(
+    *,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: str = "auto",
+    timeout_s: float,
+    generation: int = 0,
+    device_index: int | None = None,
+) -> WorldInfo:
+    """Join the world of generation `generation` as `rank` of `world_size`. Collective.
+
+    `backend` is "gloo", "nccl" or "auto" (NCCL when CUDA is available). With NCCL the world is
+    bound to `cuda:{device_index}` (default: the current device; inside a Ray actor with one
+    GPU that is cuda:0), which makes NCCL create communicators eagerly and lets groups inherit
+    the device.
+    """
+    global _live, _num_world_inits
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: {rank} is outside 0..{world_size - 1}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
+    name = default_backend() if backend == "auto" else backend
+    if name not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected gloo, nccl or auto, got {backend!r}")
+    with _lock:
+        if _live is not None:
+            if (_live.generation, _live.rank, _live.world_size) == (generation, rank, world_size):
+                return _live
+            raise RuntimeError(
+                f"world generation {_live.generation} (rank {_live.rank} of {_live.world_size}) is "
+                f"live; call destroy_world() before joining generation {generation}"
+            )
+        kwargs: dict = {}
+        if name == "nccl":
+            index = torch.cuda.current_device() if device_index is None else device_index
+            torch.cuda.set_device(index)
+            kwargs["device_id"] = torch.device("cuda", index)
+        dist.init_process_group(
+            backend=name,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+        _num_world_inits += 1
+        _live = WorldInfo(
+            rank=rank,
+            world_size=world_size,
+            backend=name,
+            generation=generation,
+            init_method=init_method,
+            timeout_s=float(timeout_s),
+        )
+        return _live
+
+
+def destroy_world() -> None:
+    """Leave the live world and every group in it (no-op when none is live). Not collective."""
+    global _live
+    with _lock:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _live = None
+
+
+def world_inits() -> int:
+    """How many worlds this process has initialised (1 for a run without faults)."""
+    return _num_world_inits
+
+
+def world_info() -> dict | None:
+    """The live world as a plain dict (for records), or None."""
+    return None if _live is None else asdict(_live)
+
+
+def live_world() -> WorldInfo | None:
+    return _live
