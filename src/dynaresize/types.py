@@ -131,6 +131,10 @@ class StepReport:
     idle_device_s: float = 0.0
     tail_idle_device_s: float = 0.0
     resize_critical_s: float | None = None  # measured cost of the move made before this step
+    # The step's longest response decoded alone (its tokens x the engine's batch-1 per-token
+    # latency): the part of the rollout stage that no number of rollout devices removes.
+    rollout_floor_s: float = 0.0
+    rollout_longest_tokens: int = 0  # response tokens of the step's longest response
 
 
 @dataclass(frozen=True, kw_only=True)
