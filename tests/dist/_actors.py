@@ -18,9 +18,8 @@ import torch.distributed as dist
 from dynaresize.cluster.placement import actor_options, make_placement_group
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import CommPool
-from dynaresize.reshard.execute import execute_plan
+from dynaresize.reshard.execute import reshard_flat
 from dynaresize.reshard.layout import FlatLayout
-from dynaresize.reshard.plan import chunk_elems_for, transfer_plan
 
 KINDS = {"param": torch.float32, "exp_avg": torch.float32, "count": torch.int64}
 TIMEOUT_S = 60.0
@@ -73,6 +72,17 @@ class CommActor:
             self.pool = CommPool(timeout_s=TIMEOUT_S)
         return time.perf_counter() - t0
 
+    def leave(self) -> None:
+        """Leave the world and drop the pool's groups (what every survivor does after a loss)."""
+        rendezvous.destroy_world()
+        self.pool.clear()
+
+    def rejoin(self, init_method: str, rank: int, world_size: int, generation: int) -> dict:
+        """Join a new world generation with a new rank numbering (issue 5's recovery)."""
+        self.rank, self.world_size = rank, world_size
+        self.init(init_method, generation)
+        return rendezvous.world_info()
+
     def create(self, rank_sets: list[tuple[int, ...]], critical: bool, tag: str = "") -> int:
         return self.pool.create_many(rank_sets, critical=critical, tag=tag)
 
@@ -117,17 +127,16 @@ class CommActor:
         names = sorted(kinds or self.shards)
         old_ranks = self.kind_ranks[names[0]]
         assert all(self.kind_ranks[k] == old_ranks for k in names)
-        bpe = sum(self.shards[k].element_size() for k in names)
-        # Every rank computes the plan itself: it must agree with every other rank's plan.
-        plan = transfer_plan(self.numel, old_ranks, new_ranks, chunk_elems=chunk_elems_for(staging_bytes, bpe))
         group = None if tag is None else self.pool.get(tuple(range(self.world_size)), tag=tag)
-        new, stats = execute_plan(
-            plan,
+        # Every rank computes the plan itself (inside reshard_flat): it must agree with the others'.
+        new, stats = reshard_flat(
+            {k: self.shards[k] for k in names},
+            numel=self.numel,
+            old_ranks=old_ranks,
+            new_ranks=new_ranks,
             rank=self.rank,
-            old_shards={k: self.shards[k] for k in names},
-            new_numel_local=FlatLayout(self.numel, new_ranks).local_numel(self.rank),
-            group=group,
             staging_bytes=staging_bytes,
+            group=group,
             kinds=names,
         )
         self.shards.update(new)

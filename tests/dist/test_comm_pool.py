@@ -103,3 +103,18 @@ def test_get_of_a_set_never_created_is_refused(world):
     actors, _ = world
     with pytest.raises(ray.exceptions.RayTaskError, match="driver must create it first"):
         ray.get(actors[0].group_view.remote((0, 1, 2, 3), "never"), timeout=60)
+
+
+def test_survivors_form_a_new_generation_last(world):
+    """Runs last: actors 1..3 (the survivors of a lost actor 0) form generation 1 as ranks 0..2."""
+    actors, _ = world
+    _on_all(actors, "leave")
+    survivors = actors[1:]
+    init_method = ray.get(survivors[0].address.remote())
+    infos = ray.get([a.rejoin.remote(init_method, i, 3, 1) for i, a in enumerate(survivors)], timeout=120)
+    assert [(i["rank"], i["world_size"], i["generation"]) for i in infos] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)]
+    assert _on_all(survivors, "world_inits") == [2, 2, 2]
+    # The pool was cleared: the same rank set is created again, with matching names everywhere.
+    assert _on_all(survivors, "create", [(0, 1, 2), (1, 2)], True) == [2, 2, 2]
+    assert _on_all(survivors, "all_reduce", (1, 2), 2.5) == [None, 5.0, 5.0]
+    assert _on_all(survivors, "all_reduce", (0, 1, 2), 1.0) == [3.0, 3.0, 3.0]

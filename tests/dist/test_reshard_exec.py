@@ -57,6 +57,13 @@ def test_local_only_plan_needs_no_messages():
     assert stats.num_messages == 0 and stats.peak_staging_bytes == 0 and stats.bytes_local == 50 * BPE
 
 
+def test_rank_without_old_state_gets_empty_shards_of_the_right_dtypes():
+    plan = transfer_plan(30, (0,), (0,), chunk_elems=4)
+    new, stats = execute_plan(plan, rank=1, old_shards=None, new_numel_local=0, staging_bytes=64, dtypes=KINDS)
+    assert {k: (v.dtype, v.numel()) for k, v in new.items()} == {k: (d, 0) for k, d in KINDS.items()}
+    assert stats.num_messages == 0 and stats.bytes_sent == 0
+
+
 def test_bad_inputs_are_refused_before_any_message():
     full = full_state(40, seed=2)
     plan = transfer_plan(40, (0,), (0, 1), chunk_elems=10)  # 10 * 16 packed bytes per chunk

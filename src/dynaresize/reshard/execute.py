@@ -42,7 +42,8 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from dynaresize.reshard.plan import Transfer
+from dynaresize.reshard.layout import FlatLayout
+from dynaresize.reshard.plan import Transfer, chunk_elems_for, transfer_plan
 
 
 @dataclass(frozen=True)
@@ -184,3 +185,43 @@ def execute_plan(
         bytes_local=num_local,
     )
     return new, stats
+
+
+def reshard_flat(
+    old_shards: Mapping[str, torch.Tensor] | None,
+    *,
+    numel: int,
+    old_ranks: Iterable[int],
+    new_ranks: Iterable[int],
+    rank: int,
+    staging_bytes: int,
+    group: dist.ProcessGroup | None = None,
+    kinds: Iterable[str] | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[dict[str, torch.Tensor], ReshardStats]:
+    """Plan and execute in one call: move `kinds` of a flat state of `numel` elements per kind
+    from a `FlatLayout` over `old_ranks` to one over `new_ranks`. Called by every rank in
+    `old_ranks | new_ranks` with the same arguments except `rank`, `old_shards` (and `device`).
+    The chunk size is the largest whose packed kinds fit `staging_bytes`.
+    """
+    old_ranks, new_ranks = tuple(old_ranks), tuple(new_ranks)
+    old = dict(old_shards or {})
+    names = sorted(kinds if kinds is not None else (old or dtypes or {}).keys())
+    spec = {k: (old[k].dtype if k in old else (dtypes or {}).get(k)) for k in names}
+    missing = [k for k, d in spec.items() if d is None]
+    if missing:
+        raise ValueError(f"kinds: {missing} have neither an old shard nor a dtype on rank {rank}")
+    bytes_per_elem = sum(_element_size(d) for d in spec.values())
+    plan = transfer_plan(numel, old_ranks, new_ranks, chunk_elems=chunk_elems_for(staging_bytes, bytes_per_elem))
+    return execute_plan(
+        plan,
+        rank=rank,
+        old_shards=old,
+        new_numel_local=FlatLayout(numel, new_ranks).local_numel(rank),
+        group=group,
+        staging_bytes=staging_bytes,
+        kinds=names,
+        dtypes=dtypes,
+        device=device,
+    )
