@@ -166,6 +166,10 @@ def test_lr_schedule_and_settings_validation():
     assert [s.lr_at(i) for i in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
     c = OptimSettings(lr=1.0, schedule="cosine", total_steps=4, min_lr_ratio=0.1)
     assert c.lr_at(0) == 1.0 and c.lr_at(4) == pytest.approx(0.1) and c.lr_at(2) == pytest.approx(0.55)
+    from dynaresize.config import TrainConfig
+
+    taken = OptimSettings.from_config(TrainConfig(lr=0.5, betas=[0.8, 0.9]), warmup_steps=3)
+    assert (taken.lr, taken.betas, taken.warmup_steps) == (0.5, (0.8, 0.9), 3)
     with pytest.raises(ConfigError, match="train.lr"):
         OptimSettings(lr=0.0)
     with pytest.raises(ConfigError, match="schedule"):
@@ -283,9 +287,11 @@ def test_corrupt_shard_is_a_checkpoint_error(tmp_path):
     raw = bytearray(shard.read_bytes())
     raw[-5] ^= 0xFF
     shard.write_bytes(bytes(raw))
+    before = {k: v.clone() for k, v in trainer.state_shards().items()}
     with pytest.raises(CheckpointError, match="sha256 mismatch") as info:
         trainer.load_checkpoint(tmp_path, (0,), 0)
     assert "\n" not in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in trainer.state_shards().items())  # left as it was
 
 
 def test_partial_and_missing_shards_are_checkpoint_errors(tmp_path):
@@ -318,3 +324,35 @@ def test_resave_replaces_checkpoint_and_drops_stale_files(tmp_path):
     assert first.name not in files and len(files) == 2 and "manifest.json" in files
     assert ckpt.read_manifest(tmp_path)["step"] == 1
 
+
+
+def test_shard_range_equals_reshard_flat_layout():
+    layout = pytest.importorskip("dynaresize.reshard.layout")
+    for numel in (0, 1, 7, 100, 1001):
+        for ranks in [(0,), (1, 3), (0, 2, 5), (4, 1, 2, 3)]:
+            flat = layout.FlatLayout(numel, ranks)
+            for i, r in enumerate(sorted(ranks)):
+                assert shard_range(numel, len(ranks), i) == flat.shard_range(r)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen2_full_state_dict_loads_with_transformers(tmp_path, tied):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    trainer = ShardedTrainer.build_from_model(model, (0,), 0, SETTINGS)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    trainer.train_step([(0, ids)], lambda m, x: m(input_ids=x, labels=x).loss, group=None, num_micro_batches=1)
+    full = trainer.full_state_dict(dedupe_tied=True)
+    assert ("lm_head.weight" in full) != tied
+    cfg.save_pretrained(tmp_path)
+    save_file(full, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    loaded = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path)
+    for name, p in model.named_parameters():
+        assert torch.equal(loaded.get_parameter(name), p), name
+    if tied:
+        assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()

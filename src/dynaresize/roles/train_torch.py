@@ -187,7 +187,7 @@ class ShardedTrainer:
         seen: dict[tuple, torch.Tensor] = {}
         for name, t in self.model.state_dict().items():
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-            if key in seen:
+            if key in seen and t.numel() > 0:  # empty tensors may all report data_ptr 0
                 if not dedupe_tied:
                     out[name] = seen[key]
                 continue
@@ -372,9 +372,13 @@ class ShardedTrainer:
             int(scalars["step"]), int(scalars["lr_step"]), int(scalars["seed"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"checkpoint {directory}: malformed scalars in manifest") from None
-        self._set_layout(ranks, self.rank if rank is None else rank)
-        lo, hi = self.shard_range()
+        ordered, rank = sorted(int(r) for r in ranks), self.rank if rank is None else int(rank)
+        if rank not in ordered or len(set(ordered)) != len(ordered):
+            raise ValueError(f"rank {rank} not in training ranks {tuple(ordered)} (or duplicates)")
+        lo, hi = shard_range(self.numel, len(ordered), ordered.index(rank))
+        # Read everything before touching this trainer, so a bad checkpoint leaves it as it was.
         shards = {key: reader.read(key, lo, hi).to(self.device) for key in STATE_KEYS}
+        self._set_layout(ordered, rank)
         self._pending = set(STATE_KEYS)
         self.load_state_shards(shards)
         self.load_scalars(scalars)
