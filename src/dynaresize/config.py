@@ -82,8 +82,10 @@ class RolloutConfig:
     temperature: float = 1.0
     synthetic_lengths: bool = False  # draw each response length from a workload model
     length_workload: str = "longtail-drift"
+    batch_rows: int = 4  # rows per engine batch (fixed, so a sample's numerics never depend on its batch)
 
     def check(self, err: "_Errors") -> None:
+        err.need(self.batch_rows >= 4, "batch_rows", self.batch_rows, "must be >= 4 (CPU kernels round differently below)")
         err.need(self.backend in ("hf", "vllm", "sglang"), "backend", self.backend, "must be hf, vllm or sglang")
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
             err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")

@@ -1,0 +1,294 @@
+"""The driver's handle on the device workers: start, route work, sync weights, carry out resizes.
+
+One `Cluster` per run. It starts (or joins) Ray, reserves one placement-group bundle per device,
+creates one `DeviceWorker` per device, joins them into one torch.distributed world once, and
+creates the communicators the first split needs plus a `background` group over all devices.
+
+Invariants kept here, for the whole run:
+- Group creation is driven from this one place, in one order, on every worker (the
+  `CommPool` invariant): `_create_groups` and `_prewarm` are the only callers.
+- A resize never initialises a world; `comm_stats()["world_inits"]` stays 1 on every worker.
+- Resize ops are run by name from the plan (control.planner op names); each returns device
+  epoch times that become `op` records (seconds since the run start).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+
+from dynaresize.cluster.placement import actor_options, make_placement_group, release_placement_group
+from dynaresize.cluster.worker import BACKGROUND_TAG, remote_worker_class
+from dynaresize.comm import rendezvous
+from dynaresize.comm.pool import rank_sets_for_split
+from dynaresize.config import RunConfig, config_to_dict
+from dynaresize.control import planner
+from dynaresize.roles.base import GenRequest
+from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan
+
+
+@dataclass
+class RolloutOutcome:
+    """Results of one rollout stage and how busy each rollout device was."""
+
+    results: list[tuple[int, Any]]  # (device, GenResult)
+    t0: float
+    t1: float
+    busy_s: dict[int, float]
+    last_end: dict[int, float]
+    calls: list[tuple[int, float, float]]  # (device, t0, t1) of every engine call
+
+
+@dataclass
+class ResizeOutcome:
+    plan: ResizePlan
+    t_decide: float
+    ops: list[dict] = field(default_factory=list)  # name, device, t0, t1, bytes, critical
+    background: list[tuple[str, int, Any]] = field(default_factory=list)  # (name, device, ObjectRef)
+    groups_created_critical: int = 0
+    critical_end: float = 0.0
+
+
+class Cluster:
+    """Ray workers for one run (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, *, on_event: Callable[[str, dict], None] | None = None) -> None:
+        self.cfg = cfg
+        self.num_devices = cfg.cluster.devices
+        self.on_event = on_event or (lambda kind, fields: None)
+        self.workers: list[Any] = []
+        self._pg = None
+        self._started_ray = False
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dynaresize-driver")
+        self.assignment: Assignment | None = None
+        self.bounds = Bounds(num_devices=cfg.cluster.devices, min_rollout=cfg.policy.min_rollout,
+                             min_train=cfg.policy.min_train, move_unit=cfg.policy.move_unit)
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self, assignment: Assignment) -> None:
+        cfg = self.cfg
+        use_gpu = cfg.cluster.backend == "nccl" or (cfg.cluster.backend == "auto" and _cuda_available())
+        if not ray.is_initialized():
+            need = math.ceil(self.num_devices * cfg.cluster.cpus_per_device)
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
+                                      "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1",
+                                                                   "TOKENIZERS_PARALLELISM": "false"}}}
+            if cfg.cluster.address:
+                kwargs["address"] = cfg.cluster.address
+            else:
+                kwargs["num_cpus"] = max(os.cpu_count() or 1, need)
+            ray.init(**kwargs)
+            self._started_ray = True
+        self._pg = make_placement_group(self.num_devices, use_gpu=use_gpu, cpus_per_device=cfg.cluster.cpus_per_device)
+        actor_cls = remote_worker_class()
+        cfg_dict = config_to_dict(cfg)
+        self.workers = [actor_cls.options(**actor_options(self._pg, d, use_gpu=use_gpu,
+                                                           cpus_per_device=cfg.cluster.cpus_per_device)).remote(d, cfg_dict)
+                        for d in range(self.num_devices)]
+        port = ray.get(self.workers[0].free_port.remote())
+        ip = ray.get(self.workers[0].info.remote())["ip"]
+        init_method = rendezvous.world_init_method(ip, port)
+        inits = ray.get([w.init_world.remote(init_method, self.num_devices) for w in self.workers])
+        for d, r in enumerate(inits):
+            self.on_event("comm", {"event": "world_init", "ranks": list(range(self.num_devices)), "critical": False,
+                                   "device": d, "seconds": r["t1"] - r["t0"]})
+        self.assignment = assignment
+        # The background group (all devices) carries optimizer moments while the main thread computes.
+        self._create_groups([tuple(range(self.num_devices))], critical=False, tag=BACKGROUND_TAG)
+        self._create_groups(self._split_sets(assignment), critical=False)
+        train, rollout = assignment.devices(TRAIN), assignment.devices(ROLLOUT)
+        ray.get([self.workers[d].start_train.remote(train) for d in train]
+                + [self.workers[d].start_rollout.remote(0) for d in rollout])
+        self._prewarm_futures = self._prewarm(assignment)
+
+    def stop(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # already dead (a lost device): nothing to end
+                pass
+        self.workers = []
+        if self._pg is not None:
+            try:
+                release_placement_group(self._pg)
+            except Exception:
+                pass
+            self._pg = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ communicators
+
+    def _split_sets(self, a: Assignment) -> tuple[tuple[int, ...], ...]:
+        return rank_sets_for_split(a.devices(TRAIN), a.devices(ROLLOUT))
+
+    def _create_groups(self, rank_sets, *, critical: bool, tag: str = "") -> int:
+        out = ray.get([w.create_groups.remote(list(rank_sets), critical, tag) for w in self.workers])
+        created = out[0]["created"]
+        for rs in rank_sets:
+            self.on_event("comm", {"event": "group_create" if created else "group_reuse", "ranks": list(rs),
+                                   "critical": critical, "tag": tag})
+        return created
+
+    def _neighbour_sets(self, a: Assignment) -> list[tuple[int, ...]]:
+        """Rank sets of the splits one move unit away: what the policy may pick next."""
+        sets: list[tuple[int, ...]] = []
+        for target in (a.num_rollout - self.bounds.move_unit, a.num_rollout + self.bounds.move_unit):
+            if self.bounds.allowed(target):
+                dst = planner.plan_resize(resize_id=-1, step=-1, src=a, target_rollout=target).dst
+                sets.extend(s for s in self._split_sets(dst) if s not in sets)
+        return sets
+
+    def _prewarm(self, a: Assignment) -> list[Any]:
+        """Create the neighbouring splits' groups on every worker's background thread."""
+        sets = self._neighbour_sets(a)
+        if not sets:
+            return []
+        return [w.prewarm_groups.remote(sets) for w in self.workers]
+
+    def wait_prewarm(self) -> int:
+        out = ray.get(self._prewarm_futures) if self._prewarm_futures else []
+        self._prewarm_futures = []
+        return out[0]["created"] if out else 0
+
+    def comm_stats(self) -> list[dict]:
+        return ray.get([w.comm_stats.remote() for w in self.workers])
+
+    # ------------------------------------------------------------------ stages
+
+    def rollout_async(self, step: int, groups: list[list[GenRequest]]) -> Future:
+        """Run the rollout stage of `step` on a driver thread (it overlaps training)."""
+        return self._executor.submit(self.rollout, step, groups, self.assignment.devices(ROLLOUT))
+
+    def rollout(self, step: int, groups: list[list[GenRequest]], devices: tuple[int, ...]) -> RolloutOutcome:
+        """A router with continuous dispatch: each free rollout device takes the next prompt
+        group, so a device whose requests are done gets more work while any is left."""
+        t0 = time.time()
+        queue = list(groups)
+        inflight: dict[Any, int] = {}
+        free = list(devices)
+        out: list[tuple[int, Any]] = []
+        busy = {d: 0.0 for d in devices}
+        last_end = {d: t0 for d in devices}
+        calls: list[tuple[int, float, float]] = []
+        while queue or inflight:
+            while queue and free:
+                d = free.pop(0)
+                inflight[self.workers[d].generate.remote(queue.pop(0), step)] = d
+            done, _ = ray.wait(list(inflight), num_returns=1)
+            for ref in done:
+                d = inflight.pop(ref)
+                res = ray.get(ref)
+                out.extend((d, r) for r in res["results"])
+                busy[d] += res["t1"] - res["t0"]
+                last_end[d] = max(last_end[d], res["t1"])
+                calls.append((d, res["t0"], res["t1"]))
+                free.append(d)
+        return RolloutOutcome(results=out, t0=t0, t1=time.time(), busy_s=busy, last_end=last_end, calls=calls)
+
+    def train(self, step: int, micro_batches: list[list[Any]], total_tokens: int) -> list[dict]:
+        """One training step: micro-batch i goes to the (i mod W)-th training device."""
+        devices = self.assignment.devices(TRAIN)
+        per: dict[int, list[tuple[int, list]]] = {d: [] for d in devices}
+        for i, mb in enumerate(micro_batches):
+            per[devices[i % len(devices)]].append((i, mb))
+        refs = [self.workers[d].train.remote(step, per[d], len(micro_batches), total_tokens) for d in devices]
+        return ray.get(refs)
+
+    def sync_weights(self, version: int, step: int) -> list[dict]:
+        a = self.assignment
+        train, rollout = a.devices(TRAIN), a.devices(ROLLOUT)
+        if not rollout:
+            return []
+        ranks = tuple(sorted((train[0], *rollout)))
+        return ray.get([self.workers[d].sync_weights.remote(train[0], ranks, version, step) for d in ranks])
+
+    # ------------------------------------------------------------------ resize
+
+    def resize(self, plan: ResizePlan, *, version: int, step: int, background_moments: bool) -> ResizeOutcome:
+        """Carry out the critical ops of `plan` now; start its background ops and return."""
+        t_decide = time.time()
+        out = ResizeOutcome(plan=plan, t_decide=t_decide)
+        old_train, new_train = plan.src.devices(TRAIN), plan.dst.devices(TRAIN)
+        union = tuple(sorted(set(old_train) | set(new_train)))
+        moving = plan.moving
+        self.wait_prewarm()  # pre-warm runs in the background; never two group creations at once
+
+        def record(name: str, devices, results, critical: bool, key_bytes: str | None = None) -> None:
+            for d, r in zip(devices, results):
+                nbytes = int(r.get(key_bytes, 0)) if key_bytes else 0
+                out.ops.append({"name": name, "device": d, "t0": r["t0"], "t1": r["t1"], "bytes": nbytes,
+                                "critical": critical})
+                if critical:
+                    out.critical_end = max(out.critical_end, r["t1"])
+
+        # Join or drop: the groups of the new split (cached when pre-warmed: then nothing is created).
+        t0 = time.time()
+        out.groups_created_critical = self._create_groups(self._split_sets(plan.dst), critical=True)
+        group_op = planner.DROP_FROM_TRAIN_GROUP if plan.to_role == ROLLOUT else planner.JOIN_TRAIN_GROUP
+        record(group_op, moving, [{"t0": t0, "t1": time.time()}] * len(moving), True)
+        scalars = ray.get(self.workers[old_train[0]].trainer_scalars.remote())
+        if plan.to_role == TRAIN:
+            rel = ray.get([self.workers[d].release_engine.remote(step) for d in moving])
+            record(planner.RELEASE_ENGINE_MEMORY, moving, rel, True)
+        res = ray.get([self.workers[d].reshard_params.remote(old_train, new_train, with_moments=not background_moments,
+                                                              scalars=scalars, step=step) for d in union])
+        shard_op = planner.MOVE_PARAM_SHARDS if plan.to_role == ROLLOUT else planner.RECEIVE_PARAM_SHARDS
+        record(shard_op, union, res, True, "bytes_received")
+        if plan.to_role == ROLLOUT:
+            sw = ray.get([self.workers[d].leave_train.remote(version, step) for d in moving])
+            record(planner.LOAD_WEIGHTS, moving, sw, True)
+        else:
+            g = ray.get([self.workers[d].gather_params.remote() for d in new_train])
+            record(planner.RECEIVE_PARAM_SHARDS + ".gather", new_train, g, True)
+        self.assignment = plan.dst
+        if background_moments:
+            name = planner.MOVE_OPTIMIZER_SHARDS if plan.to_role == ROLLOUT else planner.RECEIVE_OPTIMIZER_SHARDS
+            world = tuple(range(self.num_devices))
+            out.background += [(name, d, self.workers[d].reshard_moments.remote(old_train, new_train, world))
+                               for d in union]
+        self._prewarm_futures = self._prewarm(plan.dst)
+        out.background += [(planner.PREWARM_GROUPS, d, ref) for d, ref in enumerate(self._prewarm_futures)]
+        return out
+
+    def finish_background(self, outcome: ResizeOutcome) -> None:
+        """Wait for a resize's background ops and add them to its op list."""
+        for name, d, ref in outcome.background:
+            r = ray.get(ref)
+            out_bytes = int(r.get("bytes_received", 0))
+            outcome.ops.append({"name": name, "device": d, "t0": r["t0"], "t1": r["t1"], "bytes": out_bytes,
+                                "critical": False})
+        outcome.background = []
+        self._prewarm_futures = []
+
+    # ------------------------------------------------------------------ outputs
+
+    def trainer(self, index: int = 0) -> Any:
+        return self.workers[self.assignment.devices(TRAIN)[index]]
+
+    def save_checkpoint(self, directory: str, extra: dict | None = None) -> None:
+        ray.get([self.workers[d].save_checkpoint.remote(directory, extra) for d in self.assignment.devices(TRAIN)])
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False

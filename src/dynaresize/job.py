@@ -1,0 +1,103 @@
+"""What one RL step needs from the data side: requests, rewards, advantages, train samples.
+
+Runs in the driver. Everything here is a function of (config, step, sample id): never of how
+many devices each pool has. That is what keeps RL semantics fixed under resizes:
+- the prompts of step k and their order come from `rl.data.prompts_for_step(seed, k)`;
+- sample (k, p, s) gets seed `rl.seeds.sample_seed(seed, k, p, s)` and, in synthetic-length
+  mode, the forced length `sim.workload.sample_lengths(...)[p][s]`;
+- the samples of one prompt form one group, the unit the router dispatches, so an engine batch
+  always holds the same samples;
+- advantages are normalised per prompt group, and micro-batches are fixed by sample id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dynaresize.config import RunConfig
+from dynaresize.ledger import Ledger, token_sha1
+from dynaresize.rl import data, grpo, rewards, tasks
+from dynaresize.rl.models import encode_prompt, load_tokenizer
+from dynaresize.rl.seeds import sample_seed
+from dynaresize.roles.base import GenRequest, GenResult
+
+
+@dataclass
+class ScoredStep:
+    samples: list[grpo.TrainSample]
+    mean_reward: float
+    num_tokens: int
+    longest_tokens: int
+
+
+class Job:
+    """Prompt source, tokenizer and reward of a run (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.model)
+        if cfg.task.prompts_file:
+            self.prompts = data.load_prompts(cfg.task.prompts_file)
+            self.reward_fn: Callable[..., Any] = (rewards.load_reward(cfg.task.reward) if cfg.task.reward
+                                                  else tasks.task_reward(cfg.task.name))
+        else:
+            self.prompts = tasks.task_prompts(cfg.task.name, seed=cfg.seed)
+            self.reward_fn = rewards.load_reward(cfg.task.reward) if cfg.task.reward else tasks.task_reward(cfg.task.name)
+        self._prompt_ids: dict[int, list[int]] = {}
+
+    def step_prompts(self, step: int) -> list[tuple[int, dict]]:
+        return data.prompts_for_step(self.prompts, step, self.cfg.rollout.prompts_per_step, self.cfg.seed)
+
+    def requests(self, step: int) -> list[list[GenRequest]]:
+        """The step's requests, one list per prompt group."""
+        rc = self.cfg.rollout
+        lengths = None
+        if rc.synthetic_lengths:
+            from dynaresize.sim.workload import sample_lengths
+
+            lengths = sample_lengths(rc.length_workload, step, rc.prompts_per_step, rc.samples_per_prompt,
+                                     rc.max_new_tokens, self.cfg.seed, num_steps=self.cfg.steps)
+        groups = []
+        for p, (prompt_index, record) in enumerate(self.step_prompts(step)):
+            ids = self._encode(prompt_index, record)
+            groups.append([
+                GenRequest(sample_id=(step, prompt_index, s), prompt_ids=ids, max_new_tokens=rc.max_new_tokens,
+                           seed=sample_seed(self.cfg.seed, step, prompt_index, s),
+                           forced_length=None if lengths is None else int(lengths[p][s]))
+                for s in range(rc.samples_per_prompt)])
+        return groups
+
+    def expected_ids(self, step: int) -> list[tuple[int, int, int]]:
+        return [(step, p, s) for p, _ in self.step_prompts(step) for s in range(self.cfg.rollout.samples_per_prompt)]
+
+    def _encode(self, prompt_index: int, record: dict) -> list[int]:
+        if prompt_index not in self._prompt_ids:
+            self._prompt_ids[prompt_index] = encode_prompt(self.tokenizer, record["prompt"])
+        return self._prompt_ids[prompt_index]
+
+    def score(self, step: int, results: list[tuple[int, GenResult]], ledger: Ledger) -> ScoredStep:
+        """Rewards, ledger entries and group-relative advantages for the samples of `step`."""
+        by_id = {r.sample_id: (d, r) for d, r in results}
+        records = dict(self.step_prompts(step))
+        ordered = sorted(by_id)
+        rewards_out: list[float] = []
+        for sid in ordered:
+            device, res = by_id[sid]
+            ledger.generated(sample_id=sid, version=res.version, device=device, num_tokens=len(res.response_ids),
+                             token_sha1=token_sha1(res.response_ids),
+                             seed=sample_seed(self.cfg.seed, *sid))
+            record = records[sid[1]]
+            text = self.tokenizer.decode(res.response_ids, skip_special_tokens=True)
+            fields = {k: v for k, v in record.items() if k != "prompt"}
+            value, error = rewards.score(self.reward_fn, record["prompt"], text, fields, self.cfg.task.on_reward_error)
+            ledger.scored(sid, value, error)
+            rewards_out.append(value)
+        advantages = grpo.group_advantages(rewards_out, self.cfg.rollout.samples_per_prompt)
+        samples = [grpo.TrainSample(sample_id=sid, prompt_ids=self._prompt_ids[sid[1]],
+                                    response_ids=list(by_id[sid][1].response_ids),
+                                    rollout_logprobs=list(by_id[sid][1].logprobs), advantage=adv)
+                   for sid, adv in zip(ordered, advantages)]
+        num_tokens = sum(len(s.response_ids) for s in samples)
+        return ScoredStep(samples=samples, mean_reward=sum(rewards_out) / max(1, len(rewards_out)),
+                          num_tokens=num_tokens, longest_tokens=max((len(s.response_ids) for s in samples), default=0))
