@@ -1,0 +1,102 @@
+"""The product's policy: move only when a persistent, predicted gain beats the measured cost.
+
+On every report the policy refits its online stage model (`policy.model`) and asks: at which
+legal split would the step be fastest over the next `horizon_steps` steps (trends extrapolated
+to mid-horizon)? Among splits within `NEAR_BEST` of the best it takes the one closest to the
+current split (no move for a noise-level difference). Then:
+
+- arm when the relative predicted gain is >= `enter_band`; stay armed while it is >= `exit_band`
+  and points the same way; disarm otherwise (the band is the hysteresis);
+- fire when armed for `dwell_steps` consecutive reports, no move was made in the last
+  `cooldown_steps` reports, and the gain summed over the horizon (or the steps left, if fewer)
+  exceeds `cost_margin` x the predicted cost of the move (doubled when the move reverses the
+  previous one: it undoes a paid move);
+- the move cost is the measured critical time of this run's resizes (`resize_critical_s` of the
+  report after a move), an exponentially weighted mean; before the first move a pessimistic prior.
+
+Because the model knows the rollout floor (the longest response alone), it does not send
+devices to a tail-bound rollout stage: the predicted gain of such a move is about zero.
+
+Invariants (with the controller): never a move during cooldown; never an A -> B -> A reversal
+within `reversal_window_steps` = dwell_steps + cooldown_steps; deterministic.
+"""
+
+from __future__ import annotations
+
+from dynaresize.config import PolicyConfig
+from dynaresize.control.window import Persistence
+from dynaresize.policy.model import OnlineStageModel
+from dynaresize.types import Bounds, Decision, Keep, StepReport, move_to
+
+PRIOR_MOVE_COST_S = 10.0  # before any measured move: pessimistic against 1-10 s warm joins (REFERENCES 3.3)
+NEAR_BEST = 0.005  # splits predicted within 0.5% of the best count as equally good
+COST_EWMA = 0.5
+
+
+class Hysteresis:
+    name = "hysteresis"
+
+    def __init__(self, cfg: PolicyConfig, bounds: Bounds, *, num_steps: int | None = None,
+                 start_rollout: int | None = None, window: int = 5) -> None:
+        self.cfg = cfg
+        self.bounds = bounds
+        self.num_steps = num_steps
+        self.start_rollout = start_rollout
+        self.cooldown_steps = cfg.cooldown_steps
+        self.reversal_window_steps = cfg.dwell_steps + cfg.cooldown_steps
+        self.model = OnlineStageModel(window=window, trend_window=max(cfg.horizon_steps, 3))
+        self.persist = Persistence()
+        self.move_cost_s = PRIOR_MOVE_COST_S
+        self._cost_measured = False
+        self._last_move: tuple[int, int] | None = None  # (step, direction)
+        self.last_prediction: dict[str, float] = {}
+
+    def on_bounds(self, bounds: Bounds) -> None:
+        self.bounds = bounds
+        self.persist.reset()
+
+    def _learn_cost(self, report: StepReport) -> None:
+        if report.resize_critical_s is None:
+            return
+        c = max(float(report.resize_critical_s), 0.0)
+        self.move_cost_s = c if not self._cost_measured else (1 - COST_EWMA) * self.move_cost_s + COST_EWMA * c
+        self._cost_measured = True
+
+    def decide(self, report: StepReport) -> Decision:
+        self.model.update(report)
+        self._learn_cost(report)
+        cfg = self.cfg
+        if self.model.num_reports < cfg.profile_steps:
+            return Keep(reason=f"learning {self.model.num_reports}/{cfg.profile_steps}")
+        r = report.num_rollout
+        n_dev = r + report.num_train
+        left = cfg.horizon_steps if self.num_steps is None else self.num_steps - report.step - 1
+        horizon = min(cfg.horizon_steps, left)
+        if horizon <= 0:
+            return Keep(reason="no steps left to pay a move back")
+        ahead = horizon / 2.0
+        splits = self.bounds.splits()
+        preds = {s: self.model.step_s(s, n_dev, ahead) for s in splits}
+        current = self.model.step_s(r, n_dev, ahead)
+        best = min(preds.values())
+        target = min((s for s in splits if preds[s] <= best * (1 + NEAR_BEST)), key=lambda s: (abs(s - r), s))
+        gain = current - preds[target]
+        rel = gain / current if current > 0 else 0.0
+        direction = (target > r) - (target < r)
+        count = self.persist.update(direction, rel >= cfg.enter_band, rel >= cfg.exit_band)
+        self.last_prediction = {"current_s": current, "target_s": preds[target], "target": target, "gain": rel}
+        if direction == 0 or count == 0:
+            return Keep(reason=f"gain {rel:.3f} below band")
+        if self._last_move is not None and report.step - self._last_move[0] <= cfg.cooldown_steps:
+            return Keep(reason="cooldown")
+        if count < cfg.dwell_steps:
+            return Keep(reason=f"armed {count}/{cfg.dwell_steps} toward {target}")
+        reverses = self._last_move is not None and direction == -self._last_move[1]
+        if reverses and report.step - self._last_move[0] < self.reversal_window_steps:
+            return Keep(reason="would reverse within the window")
+        cost = self.move_cost_s * (2.0 if reverses else 1.0)
+        if gain * horizon <= cfg.cost_margin * cost:
+            return Keep(reason=f"gain {gain * horizon:.1f}s over {horizon} steps <= {cfg.cost_margin} x cost {cost:.1f}s")
+        self.persist.reset()
+        self._last_move = (report.step, direction)
+        return move_to(r, target, reason=f"predicted {rel:.1%} faster at {target} ({current:.1f}s -> {preds[target]:.1f}s)")

@@ -1,0 +1,127 @@
+"""An online model of each stage's time against its device count, fitted from step reports.
+
+    rollout:  T_roll(R) = F + K / R**beta      F: the tail floor, K: scalable work
+    training: T_train(n) = c + D / n           c: fixed (exposed communication), D: device-seconds
+    step:     T(R)       = max(T_roll(R), T_train(N - R)) + sync
+
+F is the part of the rollout stage that no number of devices removes: the step's longest
+response decoded alone (`StepReport.rollout_floor_s`). Where a runtime does not report it,
+F falls back to half the longest request's duration (a stated prior, not a measurement).
+The scalable part K = (T_roll - F) * R**beta: the time other requests add to the slowest
+replica's decode steps, which shrinks as they spread over more replicas.
+
+Fitted online: F, K, c, D and sync are window means of the last `window` reports (the window
+rides the drift); beta starts at 1 and is refitted from the rollout time observed on both sides
+of every move (least squares on log scale, clipped to [0.3, 1.5]). The model only extrapolates
+to other device counts; everything it knows comes from the reports.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dynaresize.control.window import RollingWindow
+from dynaresize.types import StepReport
+
+FLOOR_PRIOR_FRAC = 0.5  # F = this * longest request when the runtime reports no floor
+
+
+class OnlineStageModel:
+    def __init__(self, window: int = 5, trend_window: int = 20) -> None:
+        self.floor = RollingWindow(window)
+        self.roll_k = RollingWindow(window)
+        self.train_c = RollingWindow(window)
+        self.train_d = RollingWindow(window)
+        self.train_d_trend = RollingWindow(trend_window)
+        self.roll_k_trend = RollingWindow(trend_window)
+        self.sync = RollingWindow(window)
+        self.roll_obs = RollingWindow(trend_window)  # observed stage times, for their noise
+        self.train_obs = RollingWindow(trend_window)
+        self._train_obs_n = 1
+        self.beta = 1.0
+        self._beta_obs: list[float] = []
+        self._last: StepReport | None = None
+        self.num_reports = 0
+
+    # ------------------------------------------------------------------ fitting
+
+    @staticmethod
+    def floor_of(report: StepReport) -> float:
+        f = getattr(report, "rollout_floor_s", 0.0) or 0.0
+        if f <= 0:
+            f = FLOOR_PRIOR_FRAC * min(report.rollout_s, report.rollout_longest_s or report.rollout_s)
+        return min(f, report.rollout_s)
+
+    def update(self, report: StepReport) -> None:
+        self.num_reports += 1
+        f = self.floor_of(report)
+        r = max(report.num_rollout, 1)
+        prev = self._last
+        if prev is not None and prev.num_rollout != report.num_rollout and prev.num_rollout > 0:
+            # A move happened: the scalable parts before and after give one beta observation.
+            s0 = max(prev.rollout_s - self.floor_of(prev), 1e-9)
+            s1 = max(report.rollout_s - f, 1e-9)
+            ratio = math.log(prev.num_rollout / r)
+            if abs(ratio) > 1e-9:
+                self._beta_obs.append(min(1.5, max(0.3, math.log(s1 / s0) / ratio)))
+                self._beta_obs = self._beta_obs[-8:]
+                self.beta = sum(self._beta_obs) / len(self._beta_obs)
+        k = max(report.rollout_s - f, 0.0) * r ** self.beta
+        n = max(report.num_train, 1)
+        c = min(max(report.train_fixed_s, 0.0), report.train_s)
+        d = max(report.train_s - c, 0.0) * n
+        self.floor.push(f)
+        self.roll_k.push(k)
+        self.roll_k_trend.push(k)
+        self.train_c.push(c)
+        self.train_d.push(d)
+        self.train_d_trend.push(d)
+        self.sync.push(max(report.sync_s, 0.0))
+        if prev is not None and prev.num_rollout != report.num_rollout:
+            self.roll_obs.clear()  # noise is measured at one split
+            self.train_obs.clear()
+        self.roll_obs.push(report.rollout_s)
+        self.train_obs.push(report.train_s)
+        self._train_obs_n = n
+        self._last = report
+
+    # --------------------------------------------------------------- prediction
+
+    @property
+    def ready(self) -> bool:
+        return self.num_reports > 0
+
+    def rollout_s(self, num_rollout: int, ahead: float = 0.0) -> float:
+        k = self.roll_k.mean() + self.roll_k_trend.slope() * ahead
+        return self.floor.mean() + max(k, 0.0) / max(num_rollout, 1) ** self.beta
+
+    def train_s(self, num_train: int, ahead: float = 0.0) -> float:
+        d = self.train_d.mean() + self.train_d_trend.slope() * ahead
+        return self.train_c.mean() + max(d, 0.0) / max(num_train, 1)
+
+    def step_s(self, num_rollout: int, num_devices: int, ahead: float = 0.0) -> float:
+        """Expected step time: E[max(rollout, training)] + sync, each stage with its measured
+        step-to-step noise (Clark's formula for the max of two normals), so a split where the
+        two stages just meet is predicted slower than one with slack, as it is."""
+        num_train = num_devices - num_rollout
+        a = self.rollout_s(num_rollout, ahead)
+        b = self.train_s(num_train, ahead)
+        sd_a = self.roll_obs.noise_sd()
+        sd_b = self.train_obs.noise_sd() * self._train_obs_n / max(num_train, 1)
+        return expected_max(a, b, math.hypot(sd_a, sd_b)) + self.sync.mean()
+
+    def balanced_split(self, splits: tuple[int, ...], num_devices: int) -> int:
+        """The legal split where the two stages take the most nearly equal time."""
+        return min(splits, key=lambda r: (abs(self.rollout_s(r) - self.train_s(num_devices - r)), r))
+
+
+def expected_max(a: float, b: float, sd: float) -> float:
+    """E[max(X, Y)] for X ~ N(a, .), Y ~ N(b, .) with sd of X - Y = `sd` (Clark 1961)."""
+    if sd <= 1e-12:
+        return max(a, b)
+    d = (a - b) / sd
+    pdf = math.exp(-0.5 * d * d) / math.sqrt(2.0 * math.pi)
+    cdf = 0.5 * (1.0 + math.erf(d / math.sqrt(2.0)))
+    return a * cdf + b * (1.0 - cdf) + sd * pdf

@@ -1,0 +1,247 @@
+"""Cost model: model presets on H100-class nodes, stage-time constants and resize op costs.
+
+Every constant cites REFERENCES.md (section numbers). Status letters follow that file:
+[V] verified in the primary source, [S] secondary, [U] unverified, [D] derived, [A] an
+assumption of this model (stated, not sourced).
+
+Stage models (used by `sim.engine`):
+- Rollout, per replica of `tp` devices, continuous batching, memory-bound decode (5, 7.3):
+  one decode step costs  eff * (weights/tp + kv_bytes_per_token/tp * context_tokens) / HBM_BW
+  + flops_per_token * batch / (tp * peak * mfu_decode). Summed over a replica's decode steps
+  this is  steps * t_weights + context_token_reads * t_kv + generated_tokens * t_flop.
+  Concurrency is limited by KV memory (7.3).
+- Training: 6 * N * tokens (+ causal attention) FLOPs, plus a forward-only old-log-prob pass
+  (2N of 6N, i.e. +1/3; REFERENCES 2.4 measures 0.25-0.5x of the update), divided over the
+  training devices at `mfu_train`, plus a fixed exposed communication time per step.
+- Weight sync: alpha + bytes per receiver / BW_eff (3.2).
+- Resize ops: the op names of DESIGN.md section 6 (shared with the runtime executor through
+  `control.planner`); each has a duration and a byte count here.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dynaresize.errors import ConfigError
+
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One H100 SXM 80 GB device in an 8-GPU node with one 400 Gb/s NDR NIC per GPU."""
+
+    hbm_bytes: float = 80 * GB  # H100 SXM (5)
+    hbm_bw: float = 3.35e12  # H100 SXM HBM3 (5, [S])
+    peak_flops: float = 989e12  # bf16 dense (vendor spec, [S])
+    nic_bw: float = 47 * GB  # NCCL over one NDR NIC: 46-48 GB/s (5, [V])
+    pcie_h2d_bw: float = 35 * GB  # nvbandwidth H2D (5, [V])
+    pcie_d2h_bw: float = 53 * GB  # nvbandwidth D2H (5, [V])
+    devices_per_node: int = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelPreset:
+    """A dense decoder model as the simulator sees it."""
+
+    name: str
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int = 128
+    rollout_tp: int = 1  # devices per rollout replica = the move unit (5: TP1 / TP2 / TP4)
+    decode_eff: float = 1.7  # real TPOT is 1.5-2x the weight-read bound (5, [D])
+    mfu_decode: float = 0.5  # [A] compute efficiency of a decode batch
+    mfu_prefill: float = 0.5  # [A]
+    mfu_train: float = 0.4  # MFU 0.3-0.5 (7.3, [A])
+    old_logprob_frac: float = 1.0 / 3.0  # forward-only pass, 2N of 6N FLOPs ([D]; 2.4 measures 0.25-0.5)
+    train_comm_s: float = 1.0  # exposed FSDP / optimizer time per step that does not shrink with devices [A]
+    max_num_seqs: int = 256  # vLLM default batch cap ([V] vLLM docs)
+    kv_reserve_frac: float = 0.1  # HBM kept free for activations and fragmentation (gpu_memory_utilization 0.9)
+    sync_alpha_s: float = 0.5  # control plane and pause of a weight sync (3.2: 0.1-5 s)
+    sync_bw: float = 20 * GB  # tuned weight-sync bandwidth per receiver (3.2: 14-23 GB/s for verl / SGLang)
+    engine_wake_s: float = 0.5  # sleep -> wake of a warm engine incl. weights resident on host (3.3: 0.26-0.82 s)
+    kv_alloc_s: float = 0.3  # allocate KV blocks; CUDA graphs kept (3.3) [A]
+    engine_release_s: float = 0.5  # sleep level 2 (3.3: 0.74 s [U])
+    engine_cold_start_s: float = 40.0  # vLLM cold start (7.3 table: 40 / 90 / 200 s; 3.3)
+
+    @property
+    def weight_bytes(self) -> float:
+        return 2.0 * self.num_params  # bf16
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * 2.0  # K and V, bf16
+
+    @property
+    def train_state_bytes(self) -> float:
+        # Mixed-precision Adam: fp32 master + two moments (12 B/param) + bf16 weights (2 B/param) (3.4, [D]).
+        return 14.0 * self.num_params
+
+
+def _preset_7b() -> ModelPreset:
+    # Qwen2.5-7B: 7.62e9 params, 28 layers, hidden 3584, 4 KV heads (5: "7B (Qwen2.5-7B, 7.62B)").
+    return ModelPreset(name="7b", num_params=7.62e9, num_layers=28, hidden_size=3584, num_kv_heads=4,
+                       rollout_tp=1, train_comm_s=1.0, engine_wake_s=0.5, kv_alloc_s=0.3,
+                       engine_release_s=0.5, engine_cold_start_s=40.0)
+
+
+def _preset_32b() -> ModelPreset:
+    # Qwen2.5-32B: 32.8e9 params, 64 layers, hidden 5120, 8 KV heads; rollout TP2 (5).
+    return ModelPreset(name="32b", num_params=32.8e9, num_layers=64, hidden_size=5120, num_kv_heads=8,
+                       rollout_tp=2, train_comm_s=3.0, engine_wake_s=1.0, kv_alloc_s=0.5,
+                       engine_release_s=1.0, engine_cold_start_s=90.0)
+
+
+def _preset_70b() -> ModelPreset:
+    # Llama-3.1-70B-class: 70.6e9 params, 80 layers, hidden 8192, 8 KV heads; rollout TP4 (5).
+    return ModelPreset(name="70b", num_params=70.6e9, num_layers=80, hidden_size=8192, num_kv_heads=8,
+                       rollout_tp=4, train_comm_s=6.0, engine_wake_s=2.0, kv_alloc_s=1.0,
+                       engine_release_s=2.0, engine_cold_start_s=200.0)
+
+
+MODEL_PRESETS = {"7b": _preset_7b, "32b": _preset_32b, "70b": _preset_70b}
+
+
+def get_model(name: str) -> ModelPreset:
+    try:
+        return MODEL_PRESETS[name]()
+    except KeyError:
+        raise ConfigError([f"model={name!r}: unknown (known: {', '.join(MODEL_PRESETS)})"]) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConstants:
+    """Per-replica decode constants, in seconds."""
+
+    t_weights: float  # one decode step's weight read (the batch-independent part)
+    t_kv: float  # per context token read in a decode step
+    t_flop: float  # per generated token (compute)
+    t_prefill: float  # per prompt token (compute)
+    kv_capacity_tokens: float  # KV tokens one replica holds
+    max_num_seqs: int
+
+
+def rollout_constants(model: ModelPreset, hw: Hardware = Hardware()) -> RolloutConstants:
+    tp = model.rollout_tp
+    free = tp * hw.hbm_bytes * (1.0 - model.kv_reserve_frac) - model.weight_bytes
+    if free <= 0:
+        raise ConfigError([f"model={model.name!r}: weights do not fit a TP{tp} replica"])
+    return RolloutConstants(
+        t_weights=model.decode_eff * model.weight_bytes / tp / hw.hbm_bw,
+        t_kv=model.decode_eff * model.kv_bytes_per_token / tp / hw.hbm_bw,
+        t_flop=2.0 * model.num_params / (tp * hw.peak_flops * model.mfu_decode),
+        t_prefill=2.0 * model.num_params / (tp * hw.peak_flops * model.mfu_prefill),
+        kv_capacity_tokens=free / model.kv_bytes_per_token,
+        max_num_seqs=model.max_num_seqs,
+    )
+
+
+def train_flops(model: ModelPreset, seq_tokens_sum: float, seq_tokens_sq_sum: float) -> float:
+    """FLOPs of one training stage: 6N per token plus causal attention (3 * layers * hidden * T^2
+    per sequence of T tokens), plus the forward-only old-log-prob pass."""
+    dense = 6.0 * model.num_params * seq_tokens_sum
+    attn = 3.0 * model.num_layers * model.hidden_size * seq_tokens_sq_sum
+    return (dense + attn) * (1.0 + model.old_logprob_frac)
+
+
+def train_device_s(model: ModelPreset, seq_tokens_sum: float, seq_tokens_sq_sum: float,
+                   hw: Hardware = Hardware()) -> float:
+    """Device-seconds of training compute (divide by the number of training devices)."""
+    return train_flops(model, seq_tokens_sum, seq_tokens_sq_sum) / (hw.peak_flops * model.mfu_train)
+
+
+def min_train_devices(model: ModelPreset, hw: Hardware = Hardware()) -> int:
+    """Memory floor: the sharded training state must fit in ~70% of HBM (activations need the rest)."""
+    return max(1, math.ceil(model.train_state_bytes / (0.7 * hw.hbm_bytes)))
+
+
+def sync_s(model: ModelPreset) -> float:
+    """Weight sync trainer -> rollout: each rollout device receives weights/tp (3.2)."""
+    return model.sync_alpha_s + model.weight_bytes / model.rollout_tp / model.sync_bw
+
+
+# ------------------------------------------------------------------------- resize op costs
+
+COMM_REUSE_S = 0.05  # switch to a cached, warm communicator (3.1: reuse/split <= 0.15 s) [D]
+GROUP_PREWARM_S = 0.15  # create one group off the critical path (3.1: ncclCommSplit 0.15 s)
+ROUTER_S = 0.01  # [A] a control-plane message
+DRAIN_AT_BOUNDARY_S = 0.05  # at a step boundary no request is in flight [A]
+WARMUP_S = 0.5  # [A] first micro-batch of a new trainer (allocator, kernels)
+FREE_TRAIN_MEMORY_S = 0.1  # [A]
+
+
+def op_cost(name: str, model: ModelPreset, *, num_train_before: int, num_train_after: int,
+            num_moving: int, hw: Hardware = Hardware()) -> tuple[float, float]:
+    """(seconds, bytes) of one op on one moving device. Unknown names are a ValueError.
+
+    Training state is sharded evenly over the training devices (FSDP / ZeRO-3): a leaving
+    device sends its shard (fp32 master weights are critical, the Adam moments background); a
+    joining device receives its new share. Transfers use the device's own NIC (47 GB/s).
+    """
+    master = 4.0 * model.num_params  # fp32 master weights
+    moments = 8.0 * model.num_params  # Adam m and v
+    n_old, n_new = max(num_train_before, 1), max(num_train_after, 1)
+    if name == "drop_from_train_group" or name == "join_train_group":
+        return COMM_REUSE_S, 0.0
+    if name == "move_param_shards":
+        b = master / n_old
+        return b / hw.nic_bw, b
+    if name == "receive_param_shards":
+        b = master / n_new
+        return b / hw.nic_bw, b
+    if name == "move_optimizer_shards":
+        b = moments / n_old
+        return b / hw.nic_bw, b
+    if name == "receive_optimizer_shards":
+        b = moments / n_new
+        return b / hw.nic_bw, b
+    if name == "load_weights":
+        # Wake a sleeping engine; full weights ride the regular post-step weight sync (3.3).
+        return model.engine_wake_s, 0.0
+    if name == "alloc_kv_cache":
+        return model.kv_alloc_s, 0.0
+    if name == "add_to_router" or name == "stop_routing":
+        return ROUTER_S, 0.0
+    if name == "drain_requests":
+        return DRAIN_AT_BOUNDARY_S, 0.0
+    if name == "release_engine_memory":
+        return model.engine_release_s, 0.0
+    if name == "free_train_memory":
+        return FREE_TRAIN_MEMORY_S, 0.0
+    if name == "warmup":
+        return WARMUP_S, 0.0
+    if name == "prewarm_groups":
+        return GROUP_PREWARM_S * 2, 0.0  # the two most likely next splits
+    raise ValueError(f"unknown op {name!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResizeCost:
+    critical_s: float
+    background_s: float
+    bytes_moved: float
+
+    @property
+    def total_s(self) -> float:
+        return self.critical_s + self.background_s
+
+
+def naive_resize_cost(model: ModelPreset, num_devices: int, hw: Hardware = Hardware(),
+                      storage_bw_per_node: float = 5 * GB) -> ResizeCost:
+    """What elastic training does today: checkpoint, tear down, new world, reload, cold engines.
+
+    Storage bandwidth per node is an assumption [A]; world creation 0.3 + 0.01 * N s (7.3 table,
+    3.1); engine cold start (3.3). Everything is on the critical path.
+    """
+    nodes = max(1, math.ceil(num_devices / hw.devices_per_node))
+    ckpt_bytes = model.train_state_bytes
+    save_s = ckpt_bytes / (nodes * storage_bw_per_node)
+    load_s = save_s
+    world_s = 0.3 + 0.01 * num_devices
+    return ResizeCost(critical_s=save_s + world_s + load_s + model.engine_cold_start_s,
+                      background_s=0.0, bytes_moved=2 * ckpt_bytes)

@@ -1,0 +1,135 @@
+"""Sweeps over splits: the pilot split, the best fixed split in hindsight, and the oracle.
+
+- `pilot_split`: the split where the two stages take the most nearly equal time, averaged over
+  the first `profile_steps` steps (what a user tunes in a pilot run; `static-profiled`, and the
+  start of every dynamic policy).
+- `best_static`: the fixed split with the least total time in hindsight (a sweep).
+- `oracle_plan`: the offline-optimal schedule of splits. Knowing every step's stage times, a
+  dynamic program over steps and splits minimises the total time, paying each move's critical
+  path and the wait for its optimizer shards exactly as the engine does (same plan, same cost
+  model). It is the ceiling for step-boundary policies.
+
+When a cluster has more than `MAX_SPLITS` legal splits, the sweeps search an evenly spaced grid
+of `MAX_SPLITS` splits (plus the pilot split): then `best-static` and `oracle` are bounds from
+below on the true optimum (they could only do better on the full set), which is stated in the
+summary (`grid`).
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynaresize.sim.resize import canonical_timing
+from dynaresize.sim.stages import StageModel
+from dynaresize.types import Bounds
+
+MAX_SPLITS = 64
+
+
+def grid(bounds: Bounds, include: tuple[int, ...] = (), max_points: int = MAX_SPLITS) -> tuple[int, ...]:
+    splits = bounds.splits()
+    if len(splits) <= max_points:
+        return splits
+    idx = np.unique(np.round(np.linspace(0, len(splits) - 1, max_points)).astype(int))
+    chosen = {splits[i] for i in idx} | {s for s in include if bounds.allowed(s)}
+    return tuple(sorted(chosen))
+
+
+def pilot_split(stages: StageModel, bounds: Bounds, num_steps: int, profile_steps: int) -> int:
+    """The legal split that best balances mean rollout and training time over the first steps."""
+    splits = bounds.splits()
+    n_dev = bounds.num_devices
+    steps = range(min(profile_steps, max(num_steps - 1, 1)))
+
+    def gap(r: int) -> float:
+        roll = np.mean([stages.rollout(k + 1, r).time_s for k in steps])
+        train = np.mean([stages.train(k, n_dev - r).time_s for k in steps])
+        return float(roll - train)
+
+    lo, hi = 0, len(splits) - 1  # gap falls as r grows: bisect for the sign change
+    if gap(splits[hi]) >= 0:
+        return splits[hi]
+    if gap(splits[lo]) <= 0:
+        return splits[lo]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if gap(splits[mid]) > 0:
+            lo = mid
+        else:
+            hi = mid
+    near = splits[max(lo - 2, 0): hi + 3]
+    return min(near, key=lambda r: (abs(gap(r)), r))
+
+
+@dataclass(frozen=True)
+class StepTable:
+    """Stage times of every step at every split of `splits` (columns)."""
+
+    splits: tuple[int, ...]
+    prologue: np.ndarray  # (S,) rollout of batch 0
+    rollout: np.ndarray  # (K, S) rollout of batch k+1 during step k (0 for the last step)
+    train: np.ndarray  # (K, S) training of batch k
+    sync: np.ndarray  # (K,) weight sync after step k (0 for the last step)
+
+    def step_s(self) -> np.ndarray:
+        return np.maximum(self.rollout, self.train) + self.sync[:, None]
+
+    def static_total(self) -> np.ndarray:
+        return self.prologue + self.step_s().sum(axis=0)
+
+
+def build_table(stages: StageModel, splits: tuple[int, ...], num_devices: int, num_steps: int,
+                on_step=None) -> StepTable:
+    K, S = num_steps, len(splits)
+    roll = np.zeros((K, S))
+    train = np.zeros((K, S))
+    sync = np.full(K, stages.sync_s)
+    sync[-1] = 0.0
+    prologue = np.array([stages.rollout(0, r).time_s for r in splits])
+    for k in range(K):
+        for j, r in enumerate(splits):
+            train[k, j] = stages.train(k, num_devices - r).time_s
+            if k + 1 < K:
+                roll[k, j] = stages.rollout(k + 1, r).time_s
+        if on_step is not None:
+            on_step(k)
+    return StepTable(splits=splits, prologue=prologue, rollout=roll, train=train, sync=sync)
+
+
+def best_static(table: StepTable) -> tuple[int, float]:
+    totals = table.static_total()
+    j = int(np.argmin(totals))
+    return table.splits[j], float(totals[j])
+
+
+def oracle_plan(table: StepTable, stages: StageModel, num_devices: int) -> tuple[list[int], float]:
+    """(rollout devices per step, predicted total seconds) of the offline-optimal schedule."""
+    splits, S = table.splits, len(table.splits)
+    crit = np.zeros((S, S))
+    opt_wait = np.zeros((S, S))  # optimizer-ready time minus critical path: training waits for it
+    for i, a in enumerate(splits):
+        for j, b in enumerate(splits):
+            if a != b:
+                t = canonical_timing(stages.model, num_devices, a, b)
+                crit[i, j], opt_wait[i, j] = t.critical_s, t.optimizer_ready_s - t.critical_s
+    K = table.rollout.shape[0]
+    value = table.prologue + table.step_s()[0]
+    back = np.zeros((K, S), dtype=np.int64)
+    back[0] = np.arange(S)
+    for k in range(1, K):
+        train_k = np.maximum(table.train[k][None, :], opt_wait)  # (from, to)
+        step_k = np.maximum(table.rollout[k][None, :], train_k) + table.sync[k]
+        cost = value[:, None] + crit + step_k
+        back[k] = np.argmin(cost, axis=0)
+        value = cost[back[k], np.arange(S)]
+    j = int(np.argmin(value))
+    total = float(value[j])
+    path = [0] * K
+    for k in range(K - 1, -1, -1):
+        path[k] = splits[j]
+        j = int(back[k][j])
+    return path, total

@@ -1,0 +1,98 @@
+"""A simulation scenario: the workload (named model or trace), the cluster, the model preset.
+
+Batch size: `prompts_per_step` defaults to 2 prompts x 16 samples per device, i.e. 32 samples
+per device and step (RollPacker's Qwen2.5-14B setting: 128 prompts x 8 samples on 32 GPUs,
+REFERENCES 2.1). It does not change with the split: RL semantics fix the batch.
+
+Bounds: min_rollout = one replica (tp devices), move unit = tp, min_train = the memory floor of
+the training state (`costs.min_train_devices`), never below the user's PolicyConfig values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from dynaresize.config import PolicyConfig
+from dynaresize.errors import ConfigError
+from dynaresize.sim.costs import ModelPreset, get_model, min_train_devices
+from dynaresize.sim.stages import Batch, StageModel
+from dynaresize.sim.workload import get_workload, sample_lengths_array
+from dynaresize.types import Bounds
+
+SAMPLES_PER_PROMPT = 16
+PROMPTS_PER_DEVICE = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str  # the workload name, or the trace path
+    num_devices: int
+    num_steps: int
+    model: ModelPreset
+    seed: int = 0
+    prompts_per_step: int = 0
+    samples_per_prompt: int = SAMPLES_PER_PROMPT
+    batch_of: Callable[[int], Batch] = field(repr=False, compare=False, default=None)
+    trace_samples: int | None = None  # a trace's trained samples over num_steps steps
+
+    def total_samples(self) -> int:
+        """Samples trained over the run (every step trains one batch)."""
+        return self.trace_samples if self.trace_samples is not None else self.samples_per_step * self.num_steps
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    def bounds(self, cfg: PolicyConfig = PolicyConfig()) -> Bounds:
+        tp = self.model.rollout_tp
+        unit = max(cfg.move_unit, tp)
+        if unit % tp:
+            raise ConfigError([f"policy.move_unit={cfg.move_unit}: must be a multiple of the rollout TP size {tp}"])
+        min_rollout = max(cfg.min_rollout, tp)
+        min_rollout = -(-min_rollout // unit) * unit
+        b = Bounds(num_devices=self.num_devices, min_rollout=min_rollout,
+                   min_train=max(cfg.min_train, min_train_devices(self.model)), move_unit=unit)
+        if not b.splits():
+            raise ConfigError([f"devices={self.num_devices}: too few for model {self.model.name} "
+                               f"(rollout needs >= {b.min_rollout}, training >= {b.min_train})"])
+        return b
+
+    def stages(self) -> StageModel:
+        return StageModel(self.model, self.batch_of)
+
+
+def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model: str = "7b", seed: int = 0,
+                      prompts_per_step: int | None = None) -> Scenario:
+    spec = get_workload(workload)
+    _check(num_devices, num_steps)
+    prompts = prompts_per_step or PROMPTS_PER_DEVICE * num_devices
+
+    def batch_of(b: int) -> Batch:
+        lengths = sample_lengths_array(spec, b, prompts, SAMPLES_PER_PROMPT, spec.cap_tokens, seed, num_steps).ravel()
+        return Batch(lengths, np.full(lengths.shape, spec.prompt_tokens, dtype=np.int64))
+
+    return Scenario(name=workload, num_devices=num_devices, num_steps=num_steps, model=get_model(model), seed=seed,
+                    prompts_per_step=prompts, batch_of=batch_of)
+
+
+def trace_scenario(batches: list[Batch], name: str, *, num_devices: int, num_steps: int | None, model: str = "7b",
+                   seed: int = 0) -> Scenario:
+    steps = len(batches) if num_steps is None else min(num_steps, len(batches))
+    _check(num_devices, steps)
+    mean_samples = int(round(np.mean([b.num_samples for b in batches[:steps]])))
+    return Scenario(name=name, num_devices=num_devices, num_steps=steps, model=get_model(model), seed=seed,
+                    prompts_per_step=max(mean_samples, 1), samples_per_prompt=1, batch_of=lambda b: batches[b],
+                    trace_samples=sum(b.num_samples for b in batches[:steps]))
+
+
+def _check(num_devices: int, num_steps: int) -> None:
+    errors = []
+    if num_devices < 2:
+        errors.append(f"devices={num_devices}: needs at least 2 devices")
+    if num_steps < 1:
+        errors.append(f"steps={num_steps}: needs at least 1 step")
+    if errors:
+        raise ConfigError(errors)

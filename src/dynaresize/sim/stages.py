@@ -1,0 +1,170 @@
+"""Stage-time models: the rollout of one batch on R devices and its training on n devices.
+
+Rollout (continuous batching per replica, REFERENCES 7.3): samples are routed round-robin in
+sample order to the R / tp replicas. A replica admits up to C requests at once, where C is the
+vLLM sequence cap or what its KV memory holds at the batch's mean footprint (prompt + half the
+response); later requests wait for a free slot (FIFO; each wave is placed on the earliest-free
+slots). A replica's time is
+
+    decode_steps * t_weights  +  sum over its samples of (t_kv * context reads + t_flop * L + t_prefill * P)
+
+where decode_steps is its slot makespan in tokens (the longest response when there is one
+wave). So a replica with one 16k-token response runs >= 16k weight-read steps however few
+other requests it has: the tail floor that more devices do not shorten. Devices of replicas
+that finished early are tail idle until the last replica ends.
+
+Training: compute device-seconds / n + a fixed exposed time (`costs.train_device_s`).
+
+Vectorised numpy, cached per (batch, split). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from dynaresize.sim.costs import Hardware, ModelPreset, rollout_constants, sync_s, train_device_s
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's samples: response and prompt lengths in tokens, in sample order."""
+
+    response_tokens: np.ndarray  # int64, shape (num_samples,)
+    prompt_tokens: np.ndarray  # int64, same shape
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.response_tokens.shape[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutTime:
+    time_s: float  # first request to last response
+    work_device_s: float  # busy device-seconds of the pool
+    tail_idle_device_s: float  # devices whose replica is done, waiting for the last one
+    longest_s: float  # duration of the longest request (its replica's time)
+    floor_s: float  # the longest response decoded alone: no device count goes below it
+    num_replicas: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainTime:
+    time_s: float
+    fixed_s: float  # the part that does not shrink with more devices
+
+
+class _BatchData:
+    """Per-batch arrays reused for every split."""
+
+    def __init__(self, batch: Batch, c) -> None:
+        L = batch.response_tokens.astype(np.float64)
+        P = batch.prompt_tokens.astype(np.float64)
+        self.L = L
+        self.work = c.t_kv * (P * L + L * (L + 1.0) / 2.0) + c.t_flop * L + c.t_prefill * P
+        footprint = float(P.mean() + L.mean() / 2.0) if L.size else 1.0
+        self.slots = int(max(1, min(c.max_num_seqs, math.floor(c.kv_capacity_tokens / max(footprint, 1.0)))))
+        i = int(np.argmax(L)) if L.size else 0
+        self.longest_index = i
+        self.floor_s = float(L[i] * c.t_weights + self.work[i]) if L.size else 0.0
+        seq = P + L
+        self.seq_sum = float(seq.sum())
+        self.seq_sq_sum = float((seq * seq).sum())
+
+
+class StageModel:
+    """Stage times for (batch index, device count), computed lazily and cached."""
+
+    def __init__(self, model: ModelPreset, batch_of: Callable[[int], Batch], hw: Hardware = Hardware(),
+                 batch_cache: int = 4) -> None:
+        self.model = model
+        self.hw = hw
+        self.c = rollout_constants(model, hw)
+        self.tp = model.rollout_tp
+        self.sync_s = sync_s(model)
+        self._batch_of = batch_of
+        self._data: OrderedDict[int, _BatchData] = OrderedDict()
+        self._batch_cache = batch_cache
+        self._rollout: dict[tuple[int, int], RolloutTime] = {}
+        self._train: dict[tuple[int, int], TrainTime] = {}
+        self._train_dev_s: dict[int, float] = {}
+
+    def data(self, b: int) -> _BatchData:
+        d = self._data.get(b)
+        if d is None:
+            d = _BatchData(self._batch_of(b), self.c)
+            self._data[b] = d
+            while len(self._data) > self._batch_cache:
+                self._data.popitem(last=False)
+        else:
+            self._data.move_to_end(b)
+        return d
+
+    def batch(self, b: int) -> Batch:
+        return self._batch_of(b)
+
+    def replica_times(self, b: int, num_rollout: int) -> tuple[np.ndarray, int]:
+        """Per-replica finish times (s) and the index of the replica with the longest request."""
+        times, _, longest = self.replica_detail(b, num_rollout)
+        return times, longest
+
+    def replica_detail(self, b: int, num_rollout: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Per-replica finish times, per-replica decode steps (s of weight reads: the part no
+        other replica can take over), and the index of the replica with the longest request."""
+        d = self.data(b)
+        n_rep = max(1, num_rollout // self.tp)
+        n = d.L.size
+        n_per = -(-n // n_rep)
+        pad = n_per * n_rep - n
+        Lm = np.concatenate([d.L, np.zeros(pad)]).reshape(n_per, n_rep)
+        Wm = np.concatenate([d.work, np.zeros(pad)]).reshape(n_per, n_rep)
+        if n_per <= d.slots:
+            steps = Lm.max(axis=0)
+        else:
+            ends = np.zeros((n_rep, d.slots))
+            for w in range(0, n_per, d.slots):
+                chunk = Lm[w:w + d.slots].T
+                ends.sort(axis=1)
+                ends[:, :chunk.shape[1]] += chunk
+            steps = ends.max(axis=1)
+        serial = steps * self.c.t_weights
+        return serial + Wm.sum(axis=0), serial, d.longest_index % n_rep
+
+    def rollout(self, b: int, num_rollout: int) -> RolloutTime:
+        key = (b, num_rollout)
+        hit = self._rollout.get(key)
+        if hit is not None:
+            return hit
+        times, longest_rep = self.replica_times(b, num_rollout)
+        t = float(times.max())
+        res = RolloutTime(
+            time_s=t,
+            work_device_s=float(times.sum()) * self.tp,
+            tail_idle_device_s=float((t - times).sum()) * self.tp + (num_rollout % self.tp) * t,
+            longest_s=float(times[longest_rep]),
+            floor_s=self.data(b).floor_s,
+            num_replicas=int(times.size),
+        )
+        self._rollout[key] = res
+        return res
+
+    def train_device_s(self, b: int) -> float:
+        v = self._train_dev_s.get(b)
+        if v is None:
+            d = self.data(b)
+            v = train_device_s(self.model, d.seq_sum, d.seq_sq_sum, self.hw)
+            self._train_dev_s[b] = v
+        return v
+
+    def train(self, b: int, num_train: int) -> TrainTime:
+        key = (b, num_train)
+        hit = self._train.get(key)
+        if hit is None:
+            fixed = self.model.train_comm_s
+            hit = TrainTime(time_s=self.train_device_s(b) / max(num_train, 1) + fixed, fixed_s=fixed)
+            self._train[key] = hit
+        return hit
