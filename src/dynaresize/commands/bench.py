@@ -1,15 +1,73 @@
-"""`dynaresize bench` (placeholder until its issue lands)."""
+"""`dynaresize bench {sim,resize}`: benchmarks.
+
+- `bench sim`: wall time of one policy simulated on a large cluster (default 1,024 devices x
+  1,000 steps of longtail-drift, hysteresis). Writes DIR/bench_sim.json when --out is given.
+- `bench resize`: measured resize costs on real workers; implemented in
+  `dynaresize.bench_resize` (imported only when asked for).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="(not yet implemented)")
-    p.set_defaults(func=main)
+    p = sub.add_parser("bench", help="benchmarks: simulator speed (sim) and measured resize costs (resize)")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    s = actions.add_parser("sim", help="wall time of one policy on a large simulated cluster")
+    s.add_argument("--devices", type=int, default=1024)
+    s.add_argument("--steps", type=int, default=1000)
+    s.add_argument("--workload", default="longtail-drift")
+    s.add_argument("--model", default="7b")
+    s.add_argument("--policy", default="hysteresis")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", metavar="DIR", default=None, help="write DIR/bench_sim.json and the run's records")
+    s.set_defaults(func=main)
+
+    r = actions.add_parser("resize", help="measured critical and total resize seconds on real workers")
+    r.add_argument("--devices", type=int, default=4, help="workers (devices) to start")
+    r.add_argument("--params", type=float, default=1e6, help="model parameters of the resharded state")
+    r.add_argument("--repeats", type=int, default=3, help="resizes per direction")
+    r.add_argument("--out", metavar="DIR", default=None, help="output directory")
+    r.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    print("dynaresize bench: not implemented yet")
-    return 1
+    if args.action == "sim":
+        return bench_sim(args)
+    if importlib.util.find_spec("dynaresize.bench_resize") is None:
+        print("dynaresize bench resize: not available in this build (module dynaresize.bench_resize is missing)",
+              file=sys.stderr)
+        return 1
+    return int(importlib.import_module("dynaresize.bench_resize").main(args) or 0)
+
+
+def bench_sim(args: argparse.Namespace) -> int:
+    from dynaresize.sim.scenarios import workload_scenario
+    from dynaresize.sim.shell import simulate
+
+    t0 = time.perf_counter()
+    scenario = workload_scenario(args.workload, num_devices=args.devices, num_steps=args.steps, model=args.model,
+                                 seed=args.seed)
+    doc = simulate(scenario, [args.policy], out_dir=args.out, progress=False, write_plots=False)
+    wall_s = time.perf_counter() - t0
+    r = doc["results"][0]
+    result = {"benchmark": "sim", "policy": args.policy, "workload": args.workload, "devices": args.devices,
+              "steps": args.steps, "model": args.model, "wall_s": wall_s,
+              "steps_per_s": args.steps / wall_s if wall_s > 0 else None,
+              "samples_per_step": doc["samples_per_step"], "simulated_samples_per_s": r["samples_per_s"],
+              "resizes": r["resizes"]}
+    print(f"bench sim: {args.policy} on {args.workload}, {args.devices} devices x {args.steps} steps "
+          f"({doc['samples_per_step']} samples/step): {wall_s:.1f} s wall "
+          f"({result['steps_per_s']:.0f} steps/s); simulated {r['samples_per_s']:.1f} samples/s, {r['resizes']} resizes")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_sim.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,15 +1,76 @@
-"""`dynaresize simulate` (placeholder until its issue lands)."""
+"""`dynaresize simulate`: run policies on a modelled workload or a trace at cluster scale.
+
+Writes DIR/summary.json, DIR/<policy>/records.jsonl per policy and DIR/allocation.png,
+DIR/throughput.png; prints a comparison table. See docs/simulator.md.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+from dynaresize.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("simulate", help="(not yet implemented)")
+    from dynaresize.sim.costs import MODEL_PRESETS
+    from dynaresize.sim.shell import DEFAULT_POLICIES
+    from dynaresize.sim.workload import WORKLOADS
+
+    p = sub.add_parser("simulate", help="simulate policies on a workload or trace at cluster scale",
+                       description="Run the controller and policies on a modelled workload (or a trace) "
+                                   "of a one-step-off RL pipeline and compare them.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workload", choices=sorted(WORKLOADS), help="a named workload model")
+    src.add_argument("--trace", metavar="FILE", help="a JSONL trace: one line per step with response_tokens")
+    p.add_argument("--devices", type=int, default=64, help="devices in the cluster (default 64)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps to simulate (default 300; for a trace, its number of steps)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="7b", help="model preset (default 7b)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)}; also static:R, scripted)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="policy.FIELD=VALUE",
+                   help="override a policy setting, e.g. --set policy.enter_band=0.05 (repeatable)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
 
 
+def policy_config(overrides: list[str]):
+    from dynaresize.config import PolicyConfig, apply_overrides, build_config
+
+    data = apply_overrides({}, overrides)
+    bad = [k for k in data if k != "policy"]
+    if bad:
+        raise ConfigError([f"--set {k}...: simulate takes only policy.* settings" for k in bad])
+    return build_config(data.get("policy", {}), PolicyConfig) if data else PolicyConfig()
+
+
 def main(args: argparse.Namespace) -> int:
-    print("dynaresize simulate: not implemented yet")
-    return 1
+    from dynaresize.sim.scenarios import trace_scenario, workload_scenario
+    from dynaresize.sim.shell import format_table, simulate
+    from dynaresize.sim.trace import load_trace
+
+    cfg = policy_config(args.overrides)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise ConfigError(["policies='': name at least one policy"])
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError([f"steps={args.steps}: needs at least 1 step"])
+    if args.trace:
+        batches = load_trace(args.trace)
+        scenario = trace_scenario(batches, args.trace, num_devices=args.devices, num_steps=args.steps,
+                                  model=args.model, seed=args.seed)
+        if args.steps is not None and args.steps > len(batches):
+            print(f"dynaresize: note: the trace has {len(batches)} steps; simulating {len(batches)}", file=sys.stderr)
+    else:
+        scenario = workload_scenario(args.workload, num_devices=args.devices, num_steps=args.steps or 300,
+                                     model=args.model, seed=args.seed)
+    progress = not args.quiet and sys.stderr.isatty()
+    doc = simulate(scenario, policies, cfg, out_dir=args.out, progress=progress, write_plots=not args.no_plots)
+    print(format_table(doc))
+    print(f"wrote {args.out}/summary.json, one records.jsonl per policy"
+          + ("" if args.no_plots else ", allocation.png, throughput.png"))
+    return 0

@@ -23,6 +23,8 @@ within `reversal_window_steps` = dwell_steps + cooldown_steps; deterministic.
 
 from __future__ import annotations
 
+import numpy as np
+
 from dynaresize.config import PolicyConfig
 from dynaresize.control.window import Persistence
 from dynaresize.policy.model import OnlineStageModel
@@ -50,6 +52,7 @@ class Hysteresis:
         self._cost_measured = False
         self._last_move: tuple[int, int] | None = None  # (step, direction)
         self.last_prediction: dict[str, float] = {}
+        self._splits_cache: tuple[Bounds, np.ndarray] | None = None
 
     def on_bounds(self, bounds: Bounds) -> None:
         self.bounds = bounds
@@ -75,16 +78,17 @@ class Hysteresis:
         if horizon <= 0:
             return Keep(reason="no steps left to pay a move back")
         ahead = horizon / 2.0
-        splits = self.bounds.splits()
-        preds = {s: self.model.step_s(s, n_dev, ahead) for s in splits}
+        splits = self._splits()
+        preds = self.model.step_curve(splits, n_dev, ahead)
         current = self.model.step_s(r, n_dev, ahead)
-        best = min(preds.values())
-        target = min((s for s in splits if preds[s] <= best * (1 + NEAR_BEST)), key=lambda s: (abs(s - r), s))
-        gain = current - preds[target]
+        near = np.flatnonzero(preds <= preds.min() * (1 + NEAR_BEST))
+        j = int(near[np.argmin(np.abs(splits[near] - r))])  # the nearest of the near-best splits
+        target = int(splits[j])
+        gain = current - float(preds[j])
         rel = gain / current if current > 0 else 0.0
         direction = (target > r) - (target < r)
         count = self.persist.update(direction, rel >= cfg.enter_band, rel >= cfg.exit_band)
-        self.last_prediction = {"current_s": current, "target_s": preds[target], "target": target, "gain": rel}
+        self.last_prediction = {"current_s": current, "target_s": float(preds[j]), "target": target, "gain": rel}
         if direction == 0 or count == 0:
             return Keep(reason=f"gain {rel:.3f} below band")
         if self._last_move is not None and report.step - self._last_move[0] <= cfg.cooldown_steps:
@@ -99,4 +103,9 @@ class Hysteresis:
             return Keep(reason=f"gain {gain * horizon:.1f}s over {horizon} steps <= {cfg.cost_margin} x cost {cost:.1f}s")
         self.persist.reset()
         self._last_move = (report.step, direction)
-        return move_to(r, target, reason=f"predicted {rel:.1%} faster at {target} ({current:.1f}s -> {preds[target]:.1f}s)")
+        return move_to(r, target, reason=f"predicted {rel:.1%} faster at {target} ({current:.1f}s -> {preds[j]:.1f}s)")
+
+    def _splits(self) -> np.ndarray:
+        if self._splits_cache is None or self._splits_cache[0] is not self.bounds:
+            self._splits_cache = (self.bounds, np.asarray(self.bounds.splits(), dtype=np.int64))
+        return self._splits_cache[1]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from dynaresize.control.window import RollingWindow
 from dynaresize.types import StepReport
 
@@ -93,35 +95,53 @@ class OnlineStageModel:
     def ready(self) -> bool:
         return self.num_reports > 0
 
+    def _params(self, ahead: float) -> tuple[float, float, float, float, float]:
+        k = max(self.roll_k.mean() + self.roll_k_trend.slope() * ahead, 0.0)
+        d = max(self.train_d.mean() + self.train_d_trend.slope() * ahead, 0.0)
+        return self.floor.mean(), k, self.train_c.mean(), d, self.sync.mean()
+
     def rollout_s(self, num_rollout: int, ahead: float = 0.0) -> float:
-        k = self.roll_k.mean() + self.roll_k_trend.slope() * ahead
-        return self.floor.mean() + max(k, 0.0) / max(num_rollout, 1) ** self.beta
+        f, k, _, _, _ = self._params(ahead)
+        return f + k / max(num_rollout, 1) ** self.beta
 
     def train_s(self, num_train: int, ahead: float = 0.0) -> float:
-        d = self.train_d.mean() + self.train_d_trend.slope() * ahead
-        return self.train_c.mean() + max(d, 0.0) / max(num_train, 1)
+        _, _, c, d, _ = self._params(ahead)
+        return c + d / max(num_train, 1)
+
+    def step_curve(self, splits, num_devices: int, ahead: float = 0.0) -> np.ndarray:
+        """Expected step time at each split: E[max(rollout, training)] + sync, each stage with
+        its measured step-to-step noise (Clark's formula for the max of two normals), so a split
+        where the two stages just meet is predicted slower than one with slack, as it is."""
+        f, k, c, d, sync = self._params(ahead)
+        r = np.maximum(np.asarray(splits, dtype=np.float64), 1.0)
+        n = np.maximum(num_devices - r, 1.0)
+        a = f + k / r ** self.beta
+        b = c + d / n
+        sd = np.hypot(self.roll_obs.noise_sd(), self.train_obs.noise_sd() * self._train_obs_n / n)
+        return expected_max(a, b, sd) + sync
 
     def step_s(self, num_rollout: int, num_devices: int, ahead: float = 0.0) -> float:
-        """Expected step time: E[max(rollout, training)] + sync, each stage with its measured
-        step-to-step noise (Clark's formula for the max of two normals), so a split where the
-        two stages just meet is predicted slower than one with slack, as it is."""
-        num_train = num_devices - num_rollout
-        a = self.rollout_s(num_rollout, ahead)
-        b = self.train_s(num_train, ahead)
-        sd_a = self.roll_obs.noise_sd()
-        sd_b = self.train_obs.noise_sd() * self._train_obs_n / max(num_train, 1)
-        return expected_max(a, b, math.hypot(sd_a, sd_b)) + self.sync.mean()
+        return float(self.step_curve([num_rollout], num_devices, ahead)[0])
 
     def balanced_split(self, splits: tuple[int, ...], num_devices: int) -> int:
         """The legal split where the two stages take the most nearly equal time."""
-        return min(splits, key=lambda r: (abs(self.rollout_s(r) - self.train_s(num_devices - r)), r))
+        f, k, c, d, _ = self._params(0.0)
+        r = np.asarray(splits, dtype=np.float64)
+        gap = np.abs(f + k / np.maximum(r, 1.0) ** self.beta - c - d / np.maximum(num_devices - r, 1.0))
+        return int(splits[int(np.argmin(gap))])
 
 
-def expected_max(a: float, b: float, sd: float) -> float:
-    """E[max(X, Y)] for X ~ N(a, .), Y ~ N(b, .) with sd of X - Y = `sd` (Clark 1961)."""
-    if sd <= 1e-12:
-        return max(a, b)
-    d = (a - b) / sd
-    pdf = math.exp(-0.5 * d * d) / math.sqrt(2.0 * math.pi)
-    cdf = 0.5 * (1.0 + math.erf(d / math.sqrt(2.0)))
-    return a * cdf + b * (1.0 - cdf) + sd * pdf
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def expected_max(a, b, sd):
+    """E[max(X, Y)] for normal X, Y with means a, b and sd of X - Y = `sd` (Clark 1961);
+    elementwise on arrays; max(a, b) where sd is 0."""
+    a, b, sd = np.broadcast_arrays(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64),
+                                   np.asarray(sd, dtype=np.float64))
+    safe = np.where(sd > 1e-12, sd, 1.0)
+    z = (a - b) / safe
+    pdf = np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+    cdf = 0.5 * (1.0 + _erf(z / math.sqrt(2.0)))
+    clark = a * cdf + b * (1.0 - cdf) + sd * pdf
+    return np.where(sd > 1e-12, clark, np.maximum(a, b))

@@ -24,9 +24,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from dynaresize.control.planner import MOVE_OPTIMIZER_SHARDS, RECEIVE_OPTIMIZER_SHARDS, plan_resize
+from dynaresize.control.planner import MOVE_OPTIMIZER_SHARDS, RECEIVE_OPTIMIZER_SHARDS, device_ops
 from dynaresize.sim.costs import Hardware, ModelPreset, op_cost
-from dynaresize.types import ROLLOUT, Assignment, ResizePlan
+from dynaresize.types import ROLLOUT, TRAIN, ResizePlan
 
 MIGRATE_S = 1.0  # re-prefill of migrated requests (REFERENCES 3.4: RollPacker migration <= 3 s)
 
@@ -50,30 +50,52 @@ class ResizeTiming:
     bytes_moved: float
 
 
+@lru_cache(maxsize=65536)
+def chain_timing(model: ModelPreset, to_role: str, num_train_before: int, num_train_after: int,
+                 num_moving: int, hw: Hardware = Hardware()) -> tuple[tuple[str, bool, float, float, float], ...]:
+    """(name, critical, start_s, end_s, bytes) of one moving device's op chain. Every moving
+    device of a plan runs the same chain at the same time (their costs depend only on the pool
+    sizes), so a plan's timing is this chain's."""
+    ends: dict[str, float] = {}
+    out = []
+    for op in device_ops(0, to_role):  # each device's ops come in dependency order
+        start = max((ends[a] for a in op.after), default=0.0)
+        dur, nbytes = op_cost(op.name, model, num_train_before=num_train_before, num_train_after=num_train_after,
+                              num_moving=num_moving, hw=hw)
+        ends[op.name] = start + dur
+        out.append((op.name, op.critical, start, start + dur, nbytes))
+    return tuple(out)
+
+
+def _summarise(chain, num_moving: int) -> tuple[float, float, float, float]:
+    crit = max((e for _, c, _, e, _ in chain if c), default=0.0)
+    total = max((e for _, _, _, e, _ in chain), default=0.0)
+    opt = max((e for n, _, _, e, _ in chain if n in (MOVE_OPTIMIZER_SHARDS, RECEIVE_OPTIMIZER_SHARDS)), default=0.0)
+    return crit, total, opt, num_moving * sum(b for *_, b in chain)
+
+
 def time_plan(plan: ResizePlan, model: ModelPreset, hw: Hardware = Hardware()) -> ResizeTiming:
-    n_before, n_after = plan.src.num_train, plan.dst.num_train
-    ends: dict[tuple[int, str], float] = {}
-    out: list[OpTime] = []
-    for op in plan.ops:  # the planner emits each device's ops in dependency order
-        start = max((ends[(op.device, a)] for a in op.after), default=0.0)
-        dur, nbytes = op_cost(op.name, model, num_train_before=n_before, num_train_after=n_after,
-                              num_moving=len(plan.moving), hw=hw)
-        ends[(op.device, op.name)] = start + dur
-        out.append(OpTime(name=op.name, device=op.device, critical=op.critical, start_s=start,
-                          end_s=start + dur, bytes=nbytes))
-    crit = max((o.end_s for o in out if o.critical), default=0.0)
-    total = max((o.end_s for o in out), default=0.0)
-    opt = max((o.end_s for o in out if o.name in (MOVE_OPTIMIZER_SHARDS, RECEIVE_OPTIMIZER_SHARDS)), default=0.0)
-    return ResizeTiming(critical_s=crit, total_s=total, optimizer_ready_s=opt, ops=tuple(out),
-                        bytes_moved=sum(o.bytes for o in out))
+    if not plan.moving:
+        return ResizeTiming(critical_s=0.0, total_s=0.0, optimizer_ready_s=0.0, ops=(), bytes_moved=0.0)
+    chain = chain_timing(model, plan.to_role, plan.src.num_train, plan.dst.num_train, len(plan.moving), hw)
+    times = {name: (s, e, b) for name, _, s, e, b in chain}
+    ops = tuple(OpTime(name=op.name, device=op.device, critical=op.critical, start_s=times[op.name][0],
+                       end_s=times[op.name][1], bytes=times[op.name][2]) for op in plan.ops)
+    crit, total, opt, nbytes = _summarise(chain, len(plan.moving))
+    return ResizeTiming(critical_s=crit, total_s=total, optimizer_ready_s=opt, ops=ops, bytes_moved=nbytes)
 
 
 @lru_cache(maxsize=65536)
 def canonical_timing(model: ModelPreset, num_devices: int, src_rollout: int, dst_rollout: int) -> ResizeTiming:
-    """Timing of the plan from the canonical split `src_rollout` to `dst_rollout` (the planner
-    keeps canonical layouts canonical, so this is what the engine pays)."""
-    plan = plan_resize(resize_id=0, step=0, src=Assignment.split(num_devices, src_rollout), target_rollout=dst_rollout)
-    return time_plan(plan, model)
+    """Timing of the plan from split `src_rollout` to `dst_rollout` (ops left out: the sweeps
+    need only the totals, which are what the engine pays for the same move)."""
+    moving = abs(dst_rollout - src_rollout)
+    if moving == 0:
+        return ResizeTiming(critical_s=0.0, total_s=0.0, optimizer_ready_s=0.0, ops=(), bytes_moved=0.0)
+    to_role = ROLLOUT if dst_rollout > src_rollout else TRAIN
+    chain = chain_timing(model, to_role, num_devices - src_rollout, num_devices - dst_rollout, moving)
+    crit, total, opt, nbytes = _summarise(chain, moving)
+    return ResizeTiming(critical_s=crit, total_s=total, optimizer_ready_s=opt, ops=(), bytes_moved=nbytes)
 
 
 @dataclass(frozen=True, kw_only=True)
