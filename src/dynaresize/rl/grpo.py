@@ -1,0 +1,151 @@
+"""GRPO: group-relative advantages, fixed micro-batches, and the clipped policy-gradient loss.
+
+Invariants (DESIGN.md section 3):
+- `group_advantages` normalises each prompt's rewards by that prompt's own mean and std; it
+  sees nothing of devices or batches.
+- `micro_batches` fixes micro-batch composition by sample id alone (sorted, then chunked), so
+  it is the same whatever number of training devices later share the micro-batches out.
+- `micro_batch_loss` sums token losses and divides by the response-token count of the whole
+  step, so the step loss (and gradient) is the plain sum over micro-batches, whichever device
+  computed which. A sample's loss depends on the other samples of its micro-batch only through
+  right padding, which masking makes exact up to float rounding (~1e-7).
+
+The loss per response token t (DAPO-style token-level normalisation, PPO clipping):
+    ratio_t = exp(logp_t - rollout_logp_t)
+    loss_t  = max(-A * ratio_t, -A * clip(ratio_t, 1 - clip_eps, 1 + clip_eps))
+              + kl_coef * k3(ref_logp_t, logp_t)        k3 = exp(ref - logp) - (ref - logp) - 1
+where logp is taken under the sampling distribution (logits / temperature), matching the
+log-probs the rollout engine returns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+SampleId = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One generated sample ready for training (plain data: pickles across processes)."""
+
+    sample_id: SampleId  # (step, prompt_index, sample_index)
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]  # one per response token, from the rollout engine
+    advantage: float
+
+
+def group_advantages(rewards: Sequence[float], group_size: int, eps: float = 1e-6) -> list[float]:
+    """(r - mean) / (std + eps) within each consecutive group of `group_size` rewards.
+
+    `rewards` is ordered prompt by prompt (all samples of prompt 0, then prompt 1, ...). The
+    std is the population std (ddof=0); a group with equal rewards gets zero advantages.
+    """
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
+    out: list[float] = []
+    for start in range(0, len(rewards), group_size):
+        group = [float(r) for r in rewards[start:start + group_size]]
+        mean = math.fsum(group) / group_size
+        std = math.sqrt(math.fsum((r - mean) ** 2 for r in group) / group_size)
+        out.extend((r - mean) / (std + eps) for r in group)
+    return out
+
+
+def micro_batches(samples: Sequence[TrainSample], micro_batch_size: int) -> list[list[TrainSample]]:
+    """Samples sorted by id, chunked into micro-batches of `micro_batch_size` (the last may be short)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    ordered = sorted(samples, key=lambda s: tuple(s.sample_id))
+    return [ordered[i:i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]
+
+
+def total_response_tokens(samples: Sequence[TrainSample]) -> int:
+    """The loss denominator of a step: response tokens over all its samples (at least 1)."""
+    return max(1, sum(len(s.response_ids) for s in samples))
+
+
+def response_logprobs(model: torch.nn.Module, micro_batch: Sequence[TrainSample], *,
+                      temperature: float = 1.0, pad_id: int = 0) -> list[torch.Tensor]:
+    """Per-sample log-probs of the response tokens under `model` (logits / temperature).
+
+    One right-padded forward pass with an attention mask; gradients flow when enabled.
+    """
+    if not micro_batch:
+        return []
+    seqs = [list(s.prompt_ids) + list(s.response_ids) for s in micro_batch]
+    width = max(len(x) for x in seqs)
+    device = next(model.parameters()).device
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for i, seq in enumerate(seqs):
+        input_ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[i, :len(seq)] = 1
+    logits = model(input_ids=input_ids, attention_mask=mask).logits
+    out = []
+    for i, s in enumerate(micro_batch):
+        n_prompt, n_resp = len(s.prompt_ids), len(s.response_ids)
+        if n_resp == 0:
+            out.append(logits.new_zeros(0))
+            continue
+        # Position j predicts token j+1: the response tokens are predicted at n_prompt-1 ...
+        rows = logits[i, n_prompt - 1:n_prompt - 1 + n_resp].float() / temperature
+        targets = input_ids[i, n_prompt:n_prompt + n_resp]
+        out.append(torch.log_softmax(rows, dim=-1).gather(-1, targets[:, None]).squeeze(-1))
+    return out
+
+
+def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[TrainSample], *,
+                     total_response_tokens: int, clip_eps: float, kl_coef: float = 0.0,
+                     ref_logprobs: Sequence[Sequence[float] | torch.Tensor] | None = None,
+                     temperature: float = 1.0, pad_id: int = 0,
+                     stats: dict | None = None) -> torch.Tensor:
+    """The clipped policy-gradient loss of one micro-batch, normalised by the whole step.
+
+    `total_response_tokens` counts the response tokens of every sample of the step (all
+    micro-batches on all devices), so summing this over the step's micro-batches gives the
+    step loss. `ref_logprobs` (one sequence per sample) is needed when `kl_coef > 0`. If
+    `stats` is a dict, it receives the sums `clipped_tokens`, `kl_sum`, `ratio_sum` and
+    `num_tokens` of this micro-batch (sums, so devices can add them up).
+    """
+    if total_response_tokens < 1:
+        raise ValueError(f"total_response_tokens must be >= 1, got {total_response_tokens}")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    logps = response_logprobs(model, micro_batch, temperature=temperature, pad_id=pad_id)
+    total = None
+    clipped = kl_sum = ratio_sum = 0.0
+    num_tokens = 0
+    for i, (s, logp) in enumerate(zip(micro_batch, logps)):
+        if logp.numel() == 0:
+            continue
+        if len(s.rollout_logprobs) != logp.numel():
+            raise ValueError(f"sample {s.sample_id}: {len(s.rollout_logprobs)} rollout log-probs for "
+                             f"{logp.numel()} response tokens")
+        old = torch.as_tensor(s.rollout_logprobs, dtype=logp.dtype, device=logp.device)
+        ratio = torch.exp(logp - old)
+        adv = float(s.advantage)
+        unclipped = -adv * ratio
+        clipped_loss = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+        tok_loss = torch.maximum(unclipped, clipped_loss)
+        if kl_coef > 0:
+            ref = torch.as_tensor(ref_logprobs[i], dtype=logp.dtype, device=logp.device)
+            delta = ref - logp
+            kl = torch.exp(delta) - delta - 1.0
+            tok_loss = tok_loss + kl_coef * kl
+            kl_sum += float(kl.detach().sum())
+        part = tok_loss.sum()
+        total = part if total is None else total + part
+        clipped += float((clipped_loss.detach() > unclipped.detach()).sum())
+        ratio_sum += float(ratio.detach().sum())
+        num_tokens += logp.numel()
+    if stats is not None:
+        stats.update(clipped_tokens=clipped, kl_sum=kl_sum, ratio_sum=ratio_sum, num_tokens=num_tokens)
+    if total is None:  # no response tokens: a zero that still depends on the parameters
+        return sum(p.sum() for p in model.parameters()) * 0.0
+    return total / total_response_tokens

@@ -1,0 +1,101 @@
+"""Tasks: the built-in toy task, and a user task from a prompt file plus a reward plug-in.
+
+The toy task `toy-count`: each prompt asks for words starting with a letter ("write words
+starting with b , for example bako bemi bute :"); the reward counts the response words that are
+pseudo-words of the built-in vocabulary (rl/models.py) starting with that letter, as a fraction
+of the response's words. It is verifiable (a rule, no model), and dense: a random tiny model
+already scores about 0.06 with spread inside every group, so group-relative advantages are
+non-zero from the first step. `toy-count` names one letter ("b"); `toy-count:bk` draws the
+letter of each prompt from "b" and "k", which makes the model learn to read the prompt and
+takes longer (docs/tasks.md has measured curves).
+
+Invariant: a task's prompt list is the same in every process (generated from a fixed seed),
+and its reward function pickles by reference (a module-level function).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from dynaresize.config import TaskConfig
+from dynaresize.errors import UserError
+from dynaresize.rl.data import load_prompts
+from dynaresize.rl.models import CONSONANTS, pseudo_words
+from dynaresize.rl.rewards import RewardFn, load_reward
+
+TOY_TASK = "toy-count"
+TOY_LETTERS = "b"
+TOY_NUM_PROMPTS = 256
+_TOY_SEED = 1234  # the toy prompt list is part of the task, not of a run: fixed seed
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    prompts: list[dict]  # records with a `prompt` field; other fields go to the reward
+    reward_fn: RewardFn
+    reward_spec: str  # how to load reward_fn again in another process
+
+
+def toy_prompts(num_prompts: int = TOY_NUM_PROMPTS, letters: str = TOY_LETTERS, seed: int = _TOY_SEED) -> list[dict]:
+    """Prompts of the toy task: each names a letter from `letters` and shows three example words.
+
+    All prompts have the same token count, so a rollout batches them together unpadded.
+    """
+    _check_letters(letters)
+    rng = random.Random(seed)
+    out = []
+    for i in range(num_prompts):
+        letter = letters[i % len(letters)]
+        # The first words of a letter are in every built-in vocabulary of >= 520 tokens, so
+        # each example is one token and all prompts have the same length.
+        examples = rng.sample([w for w in pseudo_words() if w[0] == letter][:16], 3)
+        out.append({"prompt": f"write words starting with {letter} , for example {' '.join(examples)} :",
+                    "letter": letter})
+    rng.shuffle(out)
+    return out
+
+
+_PSEUDO_WORDS = frozenset(pseudo_words())
+
+
+def toy_count_reward(prompt: str, response: str, fields: dict) -> float:
+    """The fraction of the response's words that are pseudo-words starting with `fields["letter"]`."""
+    letter = fields["letter"]
+    words = response.split()
+    if not words:
+        return 0.0
+    return sum(1 for w in words if w[0] == letter and w in _PSEUDO_WORDS) / len(words)
+
+
+def load_task(cfg: TaskConfig) -> Task:
+    """The task a run trains on: a prompt file with a reward plug-in, or a built-in toy task."""
+    if cfg.prompts_file is not None:
+        if cfg.reward is None:
+            raise UserError("task.reward: a prompts_file needs a reward (module:function or path/to/file.py:function)")
+        return Task(name=str(cfg.prompts_file), prompts=load_prompts(cfg.prompts_file),
+                    reward_fn=load_reward(cfg.reward), reward_spec=cfg.reward)
+    name = cfg.name
+    if name == TOY_TASK or name.startswith(TOY_TASK + ":"):
+        letters = name.partition(":")[2] or TOY_LETTERS
+        try:
+            prompts = toy_prompts(letters=letters)
+        except ValueError as exc:
+            raise UserError(f"task.name={name!r}: {exc}") from None
+        spec = cfg.reward or f"{__name__}:toy_count_reward"
+        return Task(name=name, prompts=prompts, reward_fn=load_reward(spec), reward_spec=spec)
+    raise UserError(f"task.name={name!r}: unknown task (built-in: {TOY_TASK}, {TOY_TASK}:LETTERS; "
+                    "or set task.prompts_file and task.reward)")
+
+
+def _check_letters(letters: str) -> None:
+    bad = sorted(set(letters) - set(CONSONANTS))
+    if not letters or bad or len(set(letters)) != len(letters):
+        raise ValueError(f"letters {letters!r} must be distinct letters from {CONSONANTS!r}")
+
+
+def decode_response(tokenizer, response_ids: list[int]) -> str:
+    """The response text a reward sees: special tokens (EOS, padding) removed."""
+    return tokenizer.decode(list(response_ids), skip_special_tokens=True)
+

@@ -1,0 +1,178 @@
+"""The HF transformers rollout engine: batched sampling whose tokens no batch can change.
+
+How a sample's tokens are made to depend only on (weights, prompt, seed, forced_length):
+- Sampling is Gumbel-max with noise from a `torch.Generator` seeded by the request's seed and
+  drawn once per generated token, so the noise of token t is a function of (seed, t) alone.
+  argmax(logp + Gumbel) is an exact draw from softmax(logits / temperature).
+- Batches never pad: requests are bucketed by prompt length, so every row of a batch has the
+  same sequence length at every step and needs no attention mask.
+- Every batch has exactly `batch_rows` rows (short batches are filled with throw-away copies
+  of a real row), so the matrix shapes a row goes through depend on its own prompt length
+  only. Measured on CPU (torch 2.13, fp32): the rows of a matmul are bit-identical whatever
+  the other rows hold or where the row sits, but kernels for fewer than 4 rows round
+  differently, hence the fixed shape. tests/unit/test_rollout_hf.py checks bit-identity.
+- Rows finished early (EOS or forced length) keep running with the batch until its longest
+  row is done (static batching, as HF `generate`); their extra tokens are discarded.
+
+Synthetic-length mode: with `forced_length` set, EOS is ignored and the response has exactly
+that many tokens (as inference benchmarks do); otherwise it stops at EOS (included in the
+response) or at `max_new_tokens`. Returned log-probs are those of the sampled tokens under the
+sampling distribution, log_softmax(logits / temperature).
+
+No global state is touched (threads, RNG, default dtype): the caller pins threads.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dynaresize.config import ModelConfig
+from dynaresize.rl.models import build_model
+from dynaresize.roles.base import GenRequest, GenResult
+
+
+class HFRolloutEngine:
+    """A `RolloutEngine` on an HF causal LM with a KV cache (see the module docstring)."""
+
+    def __init__(self, model_cfg: ModelConfig, temperature: float, *, batch_rows: int = 32,
+                 device: str | torch.device = "cpu") -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if batch_rows < 4:  # below 4 rows CPU kernels round differently (module docstring)
+            raise ValueError(f"batch_rows must be >= 4, got {batch_rows}")
+        self.model_cfg = model_cfg
+        self.temperature = float(temperature)
+        self.batch_rows = int(batch_rows)
+        self.device = torch.device(device)
+        self.version = -1
+        self._model: torch.nn.Module | None = None
+        self._eos_ids: set[int] = set()
+        self._cache_arg = "cache"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def set_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Load `state_dict` (all parameters, strictly) and tag later results with `version`."""
+        if self._model is None:
+            self._load_model()
+        assert self._model is not None
+        with torch.no_grad():
+            self._model.load_state_dict(dict(state_dict), strict=True)
+        self.version = int(version)
+
+    def release(self) -> None:
+        """Free the model and its caches; `set_weights` loads it again."""
+        self._model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _load_model(self) -> None:
+        model = build_model(self.model_cfg).to(self.device).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        eos = model.config.eos_token_id
+        self._eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        # transformers 5 names the KV-cache argument `cache`; 4.x named it `past_key_values`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._model = model
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        """One result per request, in request order."""
+        if self._model is None:
+            raise RuntimeError("rollout engine is released; call set_weights first")
+        for r in requests:
+            if not r.prompt_ids:
+                raise ValueError(f"sample {r.sample_id}: empty prompt")
+            if _target_len(r) < 0:
+                raise ValueError(f"sample {r.sample_id}: negative length {_target_len(r)}")
+        results: dict[int, GenResult] = {}
+        for batch in self._batches(requests):
+            for idx, res in zip(batch, self._generate_batch([requests[i] for i in batch])):
+                results[idx] = res
+        return [results[i] for i in range(len(requests))]
+
+    def _batches(self, requests: Sequence[GenRequest]) -> list[list[int]]:
+        """Request indices bucketed by prompt length; within a bucket, longest targets first
+        (so rows that end together share a batch), chunked into `batch_rows`."""
+        buckets: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            buckets.setdefault(len(r.prompt_ids), []).append(i)
+        out = []
+        for length in sorted(buckets):
+            idxs = sorted(buckets[length], key=lambda i: (-_target_len(requests[i]), tuple(requests[i].sample_id)))
+            out.extend(idxs[k:k + self.batch_rows] for k in range(0, len(idxs), self.batch_rows))
+        return out
+
+    @torch.inference_mode()
+    def _generate_batch(self, batch: list[GenRequest]) -> list[GenResult]:
+        model = self._model
+        assert model is not None
+        t0 = time.perf_counter()
+        num_real = len(batch)
+        rows = batch + [batch[0]] * (self.batch_rows - num_real)  # filler rows: shape only
+        targets = [_target_len(r) for r in batch]
+        gens = [torch.Generator(device="cpu").manual_seed(int(r.seed)) for r in batch]
+        tokens: list[list[int]] = [[] for _ in batch]
+        logprobs: list[list[float]] = [[] for _ in batch]
+        done = [t == 0 for t in targets]
+        ended_s = [0.0 if d else None for d in done]
+        vocab = None
+        input_ids = torch.tensor([r.prompt_ids for r in rows], dtype=torch.long, device=self.device)
+        cache = _new_cache(model)
+        while not all(done):
+            out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+            cache = getattr(out, self._cache_arg, None) or getattr(out, "past_key_values", None) or cache
+            logp = torch.log_softmax(out.logits[:, -1, :].float() / self.temperature, dim=-1).cpu()
+            vocab = logp.shape[-1]
+            noise = torch.zeros((self.batch_rows, vocab), dtype=torch.float32)
+            for i in range(num_real):
+                if not done[i]:
+                    noise[i] = _gumbel(gens[i], vocab)
+            picked = torch.argmax(logp + noise, dim=-1)
+            now = time.perf_counter() - t0
+            for i in range(num_real):
+                if done[i]:
+                    continue
+                tok = int(picked[i])
+                tokens[i].append(tok)
+                logprobs[i].append(float(logp[i, tok]))
+                r = batch[i]
+                if len(tokens[i]) >= targets[i] or (r.forced_length is None and tok in self._eos_ids):
+                    done[i], ended_s[i] = True, now
+            input_ids = picked[:, None].to(self.device)
+        del cache
+        return [GenResult(sample_id=tuple(r.sample_id), response_ids=tokens[i], logprobs=logprobs[i],
+                          version=self.version, duration_s=float(ended_s[i] or 0.0))
+                for i, r in enumerate(batch)]
+
+
+def _target_len(r: GenRequest) -> int:
+    return int(r.forced_length) if r.forced_length is not None else int(r.max_new_tokens)
+
+
+def _gumbel(gen: torch.Generator, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise from `gen`: one draw of `vocab` numbers per generated token."""
+    u = torch.rand(vocab, generator=gen, dtype=torch.float64)
+    # u in [0, 1): clamp away 0 so the noise is finite; float64 keeps distinct draws distinct.
+    return (-torch.log(-torch.log(u.clamp_min(1e-300)))).to(torch.float32)
+
+
+def _new_cache(model: torch.nn.Module):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
