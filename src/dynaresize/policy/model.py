@@ -33,11 +33,12 @@ FLOOR_PRIOR_FRAC = 0.5  # F = this * longest request when the runtime reports no
 class OnlineStageModel:
     def __init__(self, window: int = 5, trend_window: int = 20) -> None:
         self.floor = RollingWindow(window)
-        self.roll_k = RollingWindow(window)
+        self.roll_scalable = RollingWindow(trend_window)  # T_roll - F, per report
+        self.roll_r = RollingWindow(trend_window)  # rollout devices, per report
+        self.window = window
         self.train_c = RollingWindow(window)
         self.train_d = RollingWindow(window)
         self.train_d_trend = RollingWindow(trend_window)
-        self.roll_k_trend = RollingWindow(trend_window)
         self.sync = RollingWindow(window)
         self.roll_obs = RollingWindow(trend_window)  # observed stage times, for their noise
         self.train_obs = RollingWindow(trend_window)
@@ -70,13 +71,12 @@ class OnlineStageModel:
                 self._beta_obs.append(min(1.5, max(0.3, math.log(s1 / s0) / ratio)))
                 self._beta_obs = self._beta_obs[-8:]
                 self.beta = sum(self._beta_obs) / len(self._beta_obs)
-        k = max(report.rollout_s - f, 0.0) * r ** self.beta
         n = max(report.num_train, 1)
         c = min(max(report.train_fixed_s, 0.0), report.train_s)
         d = max(report.train_s - c, 0.0) * n
         self.floor.push(f)
-        self.roll_k.push(k)
-        self.roll_k_trend.push(k)
+        self.roll_scalable.push(max(report.rollout_s - f, 0.0))
+        self.roll_r.push(r)
         self.train_c.push(c)
         self.train_d.push(d)
         self.train_d_trend.push(d)
@@ -95,8 +95,18 @@ class OnlineStageModel:
     def ready(self) -> bool:
         return self.num_reports > 0
 
+    def _k_values(self) -> RollingWindow:
+        """K = (T_roll - F) * R**beta per report, with the current beta."""
+        w = RollingWindow(max(len(self.roll_r), 1))
+        for s, r in zip(self.roll_scalable.values, self.roll_r.values):
+            w.push(s * r ** self.beta)
+        return w
+
     def _params(self, ahead: float) -> tuple[float, float, float, float, float]:
-        k = max(self.roll_k.mean() + self.roll_k_trend.slope() * ahead, 0.0)
+        ks = self._k_values()
+        recent = list(ks.values)[-self.window:]
+        k_level = sum(recent) / len(recent) if recent else 0.0
+        k = max(k_level + ks.slope() * ahead, 0.0)
         d = max(self.train_d.mean() + self.train_d_trend.slope() * ahead, 0.0)
         return self.floor.mean(), k, self.train_c.mean(), d, self.sync.mean()
 

@@ -43,16 +43,16 @@ def safe_name(policy: str) -> str:
 
 
 def resize_cost_table(scenario: Scenario, bounds, pilot: int) -> dict:
-    """Predicted critical and total seconds of one move-unit resize each way at the pilot split,
-    for the optimized op graph and for the naive path (tear down, new world, reload)."""
+    """Predicted critical and total seconds of one move-unit resize each way next to the pilot
+    split, for the optimized op graph and for the naive path (tear down, new world, reload)."""
     unit, N, m = bounds.move_unit, scenario.num_devices, scenario.model
     out: dict = {}
-    if bounds.allowed(pilot + unit):
-        t = canonical_timing(m, N, pilot, pilot + unit)
-        out["train_to_rollout"] = {"critical_s": t.critical_s, "total_s": t.total_s, "bytes": t.bytes_moved}
-    if bounds.allowed(pilot - unit):
-        t = canonical_timing(m, N, pilot, pilot - unit)
-        out["rollout_to_train"] = {"critical_s": t.critical_s, "total_s": t.total_s, "bytes": t.bytes_moved}
+    for key, step in (("train_to_rollout", unit), ("rollout_to_train", -unit)):
+        a = pilot if bounds.allowed(pilot + step) else pilot - step
+        if bounds.allowed(a) and bounds.allowed(a + step):
+            t = canonical_timing(m, N, a, a + step)
+            out[key] = {"from_rollout": a, "to_rollout": a + step, "critical_s": t.critical_s, "total_s": t.total_s,
+                        "bytes": t.bytes_moved}
     naive = naive_resize_cost(m, N)
     out["naive"] = {"critical_s": naive.critical_s, "total_s": naive.total_s, "bytes": naive.bytes_moved}
     return out

@@ -1,0 +1,163 @@
+"""Policies: the factory, the baselines, the online stage model and the hysteresis policy."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dynaresize.config import PolicyConfig
+from dynaresize.errors import ConfigError
+from dynaresize.policy.base import Policy, make_policy
+from dynaresize.policy.baselines import Greedy, Planned
+from dynaresize.policy.hysteresis import Hysteresis
+from dynaresize.policy.model import OnlineStageModel, expected_max
+from dynaresize.types import ROLLOUT, TRAIN, Bounds, Keep, Move, StepReport
+
+B = Bounds(num_devices=16, min_rollout=1, min_train=1, move_unit=1)
+
+
+def world(r, n, *, floor=60.0, k=800.0, c=1.0, d=1200.0, step=0, noise=0.0, sync=1.0, cost=None, beta=1.0):
+    """A report from a synthetic cluster: T_roll = floor + k / r**beta, T_train = c + d / n."""
+    roll = floor + k / r ** beta + noise
+    train = c + d / n
+    return StepReport(step=step, now_s=0.0, num_rollout=r, num_train=n, rollout_s=roll, train_s=train, sync_s=sync,
+                      train_fixed_s=c, rollout_floor_s=floor, rollout_longest_s=roll, resize_critical_s=cost)
+
+
+@pytest.mark.parametrize("name", ["hysteresis", "static", "static:3", "static-profiled", "greedy", "scripted"])
+def test_factory_builds_every_runtime_policy(name):
+    cfg = replace(PolicyConfig(), name=name, schedule="2:4")
+    p = make_policy(cfg, B, num_steps=10)
+    assert isinstance(p, Policy) and p.name == name
+    assert isinstance(p.decide(world(8, 8)), (Keep, Move))
+
+
+def test_factory_errors():
+    with pytest.raises(ConfigError, match="simulator only"):
+        make_policy(replace(PolicyConfig(), name="lend"), B)
+    assert make_policy(replace(PolicyConfig(), name="lend"), B, simulator=True).lends
+    with pytest.raises(ConfigError, match="static:R"):
+        make_policy(replace(PolicyConfig(), name="static:x"), B)
+    with pytest.raises(ConfigError, match="simulator only"):
+        make_policy(replace(PolicyConfig(), name="oracle"), B)
+
+
+def test_static_moves_once_then_keeps():
+    p = make_policy(replace(PolicyConfig(), name="static:5"), B)
+    assert p.start_rollout == 5
+    d = p.decide(world(8, 8))
+    assert isinstance(d, Move) and d.target_rollout(8) == 5
+    assert isinstance(p.decide(world(8, 8)), Keep)  # refused once: not asked again
+
+
+def test_scripted_moves_before_the_named_step():
+    p = make_policy(replace(PolicyConfig(), name="scripted", schedule="0:6,3:2"), B)
+    assert p.start_rollout == 6
+    assert isinstance(p.decide(world(6, 10, step=1)), Keep)
+    d = p.decide(world(6, 10, step=2))
+    assert d.target_rollout(6) == 2
+
+
+def test_static_profiled_moves_once_to_the_balanced_split():
+    p = make_policy(replace(PolicyConfig(), name="static-profiled", profile_steps=3), B)
+    assert isinstance(p.decide(world(4, 12, step=0)), Keep)
+    assert isinstance(p.decide(world(4, 12, step=1)), Keep)
+    d = p.decide(world(4, 12, step=2))
+    target = d.target_rollout(4)
+    gaps = {r: abs(60 + 800 / r - 1 - 1200 / (16 - r)) for r in range(1, 16)}
+    assert target == min(gaps, key=gaps.get)
+    assert isinstance(p.decide(world(target, 16 - target, step=3)), Keep)
+
+
+def test_online_model_recovers_a_synthetic_cluster():
+    m = OnlineStageModel(window=4)
+    for s in range(4):
+        m.update(world(8, 8, step=s))
+    assert m.rollout_s(4) == pytest.approx(60 + 800 / 4)
+    assert m.train_s(12) == pytest.approx(1 + 1200 / 12)
+    # beta is refitted from a move: a world whose scalable rollout part goes as r**-0.5
+    m2 = OnlineStageModel(window=4)
+    for s, r in enumerate([8, 8, 4, 4]):
+        m2.update(world(r, 16 - r, beta=0.5, step=s))
+    assert m2.beta == pytest.approx(0.5, abs=1e-6)
+    assert m2.rollout_s(2) == pytest.approx(60 + 800 / 2 ** 0.5)
+
+
+def test_expected_max_is_clark():
+    assert expected_max(3.0, 1.0, 0.0) == 3.0
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(10, 2, 200000), rng.normal(11, 1.5, 200000)
+    assert float(expected_max(10.0, 11.0, np.hypot(2, 1.5))) == pytest.approx(np.maximum(x, y).mean(), rel=0.01)
+
+
+def _run_world(policy, r, steps, **kw):
+    """Feed a policy reports from the synthetic world, applying its moves at once."""
+    moves = []
+    for s in range(steps):
+        d = policy.decide(world(r, 16 - r, step=s, cost=1.0 if moves and moves[-1][0] == s - 1 else None, **kw))
+        if isinstance(d, Move):
+            r = d.target_rollout(r)
+            moves.append((s, r))
+    return r, moves
+
+
+def test_hysteresis_does_not_feed_a_tail_bound_rollout():
+    """Rollout is slower but tail-bound (floor 100 s, little scalable work): sending it devices
+    cannot help, so hysteresis keeps them (or moves toward training); greedy moves to rollout."""
+    kw = dict(floor=100.0, k=80.0, d=600.0)
+    hys = make_policy(replace(PolicyConfig(), name="hysteresis", enter_band=0.05, exit_band=0.02), B, num_steps=50)
+    r_h, _ = _run_world(hys, 8, 30, **kw)
+    r_g, moves_g = _run_world(Greedy(PolicyConfig(), B), 8, 30, **kw)
+    assert r_h <= 8
+    assert moves_g and moves_g[0][1] > 8
+
+
+def test_hysteresis_moves_to_the_better_split_after_dwell_and_stays():
+    cfg = replace(PolicyConfig(), name="hysteresis", enter_band=0.05, exit_band=0.02, dwell_steps=2, profile_steps=3)
+    hys = make_policy(cfg, B, num_steps=100)
+    r, moves = _run_world(hys, 3, 40)
+    assert len(moves) >= 1
+    assert moves[0][0] >= cfg.profile_steps - 1 + cfg.dwell_steps - 1
+    best = min(range(1, 16), key=lambda x: max(60 + 800 / x, 1 + 1200 / (16 - x)))
+    assert abs(r - best) <= 1
+    assert len(moves) <= 2
+
+
+def test_hysteresis_keeps_when_the_gain_does_not_pay_the_cost():
+    cfg = replace(PolicyConfig(), name="hysteresis", enter_band=0.0001, exit_band=0.0, horizon_steps=1,
+                  cost_margin=10.0)
+    hys = make_policy(cfg, B, num_steps=1000)
+    r, moves = _run_world(hys, 7, 20)  # 7 is close to the best split: a tiny gain, a 10 s prior cost
+    assert moves == []
+
+
+def test_hysteresis_stops_moving_near_the_end():
+    hys = make_policy(replace(PolicyConfig(), name="hysteresis", enter_band=0.05, exit_band=0.02), B, num_steps=5)
+    r, moves = _run_world(hys, 2, 5)
+    assert all(s < 4 for s, _ in moves)
+
+
+def test_greedy_rebalances_by_device_seconds():
+    g = Greedy(replace(PolicyConfig(), greedy_threshold=1.2), B)
+    d = g.decide(StepReport(step=0, now_s=0, num_rollout=4, num_train=12, rollout_s=30.0, train_s=10.0))
+    # device-seconds 120 vs 120: equal shares -> 8 rollout devices
+    assert isinstance(d, Move) and d.dst == ROLLOUT and d.target_rollout(4) == 8
+    assert isinstance(g.decide(StepReport(step=1, now_s=0, num_rollout=8, num_train=8, rollout_s=11.0,
+                                          train_s=10.0)), Keep)
+    d2 = g.decide(StepReport(step=2, now_s=0, num_rollout=8, num_train=8, rollout_s=10.0, train_s=30.0))
+    assert d2.dst == TRAIN
+
+
+def test_planned_follows_its_targets():
+    p = Planned("oracle", [4, 5, 5, 3])
+    assert p.start_rollout == 4
+    assert p.decide(world(4, 12, step=0)).target_rollout(4) == 5
+    assert isinstance(p.decide(world(5, 11, step=1)), Keep)
+    assert p.decide(world(5, 11, step=2)).target_rollout(5) == 3
+    assert isinstance(p.decide(world(3, 13, step=3)), Keep)
+
+
+def test_hysteresis_is_deterministic():
+    a = _run_world(Hysteresis(replace(PolicyConfig(), enter_band=0.05, exit_band=0.02), B, num_steps=60), 3, 40)
+    b = _run_world(Hysteresis(replace(PolicyConfig(), enter_band=0.05, exit_band=0.02), B, num_steps=60), 3, 40)
+    assert a == b
