@@ -31,7 +31,7 @@ from dynaresize.control.planner import plan_resize
 from dynaresize.control.state import Command, ControllerState, Refusal
 from dynaresize.control.window import MoveHistory
 from dynaresize.errors import ResizeRefused
-from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, Decision, Keep, Move, ResizePlan, StepReport
+from dynaresize.types import ROLLOUT, Assignment, Bounds, Decision, Keep, Move, ResizePlan, StepReport
 
 
 class Controller:
@@ -157,4 +157,4 @@ class Controller:
         return survivors
 
 
-__all__ = ["Controller", "Command", "ControllerState", "Refusal", "ROLLOUT", "TRAIN"]
+__all__ = ["Controller", "Command", "ControllerState", "Refusal"]

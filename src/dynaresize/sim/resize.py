@@ -146,5 +146,5 @@ def lend_step(replica_times: np.ndarray, replica_serial_s: np.ndarray, train_s: 
                        switch_in_s=switch_in, switch_out_s=switch_out)
 
 
-__all__ = ["ROLLOUT", "ResizeTiming", "OpTime", "time_plan", "canonical_timing", "LendOutcome", "lend_step",
+__all__ = ["ResizeTiming", "OpTime", "chain_timing", "time_plan", "canonical_timing", "LendOutcome", "lend_step",
            "lend_switch_s"]
