@@ -37,13 +37,9 @@ class Job:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.model)
-        if cfg.task.prompts_file:
-            self.prompts = data.load_prompts(cfg.task.prompts_file)
-            self.reward_fn: Callable[..., Any] = (rewards.load_reward(cfg.task.reward) if cfg.task.reward
-                                                  else tasks.task_reward(cfg.task.name))
-        else:
-            self.prompts = tasks.task_prompts(cfg.task.name, seed=cfg.seed)
-            self.reward_fn = rewards.load_reward(cfg.task.reward) if cfg.task.reward else tasks.task_reward(cfg.task.name)
+        task = tasks.load_task(cfg.task)
+        self.prompts = task.prompts
+        self.reward_fn: Callable[..., Any] = task.reward_fn
         self._prompt_ids: dict[int, list[int]] = {}
 
     def step_prompts(self, step: int) -> list[tuple[int, dict]]:
@@ -88,8 +84,8 @@ class Job:
                              token_sha1=token_sha1(res.response_ids),
                              seed=sample_seed(self.cfg.seed, *sid))
             record = records[sid[1]]
-            text = self.tokenizer.decode(res.response_ids, skip_special_tokens=True)
-            fields = {k: v for k, v in record.items() if k != "prompt"}
+            text = tasks.decode_response(self.tokenizer, res.response_ids)
+            fields = data.reward_fields(record)
             value, error = rewards.score(self.reward_fn, record["prompt"], text, fields, self.cfg.task.on_reward_error)
             ledger.scored(sid, value, error)
             rewards_out.append(value)

@@ -83,11 +83,15 @@ class Run:
                 future = self.cluster.rollout_async(step + 1, self.job.requests(step + 1)) if overlap else None
                 train_stats = self._train(step, scored)
                 self._finish_pending()
+                # The sync waits for the overlapped rollout: its samples must all come from the
+                # weights it started with (version step), whatever device finishes last.
+                next_rolled = future.result() if overlap else None
                 sync = self.cluster.sync_weights(version=step + 1, step=step)
+                digest = self.cluster.param_digest() if cfg.deterministic else None
                 if nxt and not overlap:
-                    future = self.cluster.rollout_async(step + 1, self.job.requests(step + 1))
-                next_rolled = future.result() if future is not None else None
-                report = self._report(step, window_t0, scored, train_stats, sync, next_rolled)
+                    next_rolled = self.cluster.rollout(step + 1, self.job.requests(step + 1),
+                                                       self.assignment.devices(ROLLOUT))
+                report = self._report(step, window_t0, scored, train_stats, sync, next_rolled, digest)
                 self._decide(step, report)
                 if next_rolled is not None:
                     self._spans_rollout(next_rolled)
@@ -127,7 +131,7 @@ class Run:
             self.rec.emit("span", device=d, name="rollout", start_s=self.rel(t0), end_s=self.rel(t1))
 
     def _report(self, step: int, window_t0: float, scored: ScoredStep, train_stats: list[dict],
-                sync: list[dict], rolled: RolloutOutcome | None) -> StepReport:
+                sync: list[dict], rolled: RolloutOutcome | None, digest: str | None = None) -> StepReport:
         a = self.assignment
         t_end = time.time()
         train_t0 = min(s["t0"] for s in train_stats)
@@ -153,7 +157,7 @@ class Run:
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, num_rollout=a.num_rollout,
                       num_train=a.num_train, idle_device_s=report.idle_device_s, tail_idle_device_s=tail_idle,
                       reward_mean=scored.mean_reward, response_tokens=scored.num_tokens, version=step + 1,
-                      rollout_work_s=report.rollout_work_s, rollout_longest_s=longest)
+                      rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=digest)
         return report
 
     def _decide(self, step: int, report: StepReport) -> None:
@@ -170,7 +174,8 @@ class Run:
                 self.controller.on_resize_done(cmd.resize_id, 0.0, 0.0)  # the run ends: nothing to move
 
     def _resize(self, step: int, plan: ResizePlan) -> None:
-        outcome = self.cluster.resize(plan, version=step + 1, step=step, background_moments=True)
+        outcome = self.cluster.resize(plan, version=step + 1, step=step, 
+                                      background_moments=self.cfg.reshard.background_moments)
         self.assignment = plan.dst
         critical_s = outcome.critical_end - outcome.t_decide
         self.last_critical_s = critical_s

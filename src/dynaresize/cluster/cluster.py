@@ -32,6 +32,8 @@ from dynaresize.control import planner
 from dynaresize.roles.base import GenRequest
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan
 
+PREWARM_ALL_SPLITS = 8  # up to this many legal splits, pre-warm the groups of all of them
+
 
 @dataclass
 class RolloutOutcome:
@@ -77,9 +79,7 @@ class Cluster:
         use_gpu = cfg.cluster.backend == "nccl" or (cfg.cluster.backend == "auto" and _cuda_available())
         if not ray.is_initialized():
             need = math.ceil(self.num_devices * cfg.cluster.cpus_per_device)
-            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
-                                      "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1",
-                                                                   "TOKENIZERS_PARALLELISM": "false"}}}
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
             if cfg.cluster.address:
                 kwargs["address"] = cfg.cluster.address
             else:
@@ -89,9 +89,14 @@ class Cluster:
         self._pg = make_placement_group(self.num_devices, use_gpu=use_gpu, cpus_per_device=cfg.cluster.cpus_per_device)
         actor_cls = remote_worker_class()
         cfg_dict = config_to_dict(cfg)
+        # Pin the math thread count in the worker's environment too: Ray may run methods on
+        # threads other than the one __init__ ran on, and thread counts change fp32 results.
+        threads = str(cfg.cluster.torch_threads)
+        env = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                                            "TOKENIZERS_PARALLELISM": "false"}}}
         self.workers = [actor_cls.options(**actor_options(self._pg, d, use_gpu=use_gpu,
-                                                           cpus_per_device=cfg.cluster.cpus_per_device)).remote(d, cfg_dict)
-                        for d in range(self.num_devices)]
+                                                           cpus_per_device=cfg.cluster.cpus_per_device), **env)
+                        .remote(d, cfg_dict) for d in range(self.num_devices)]
         port = ray.get(self.workers[0].free_port.remote())
         ip = ray.get(self.workers[0].info.remote())["ip"]
         init_method = rendezvous.world_init_method(ip, port)
@@ -139,17 +144,21 @@ class Cluster:
 
     def _create_groups(self, rank_sets, *, critical: bool, tag: str = "") -> int:
         out = ray.get([w.create_groups.remote(list(rank_sets), critical, tag) for w in self.workers])
-        created = out[0]["created"]
-        for rs in rank_sets:
-            self.on_event("comm", {"event": "group_create" if created else "group_reuse", "ranks": list(rs),
+        for rs, made in zip(rank_sets, out[0]["flags"]):
+            self.on_event("comm", {"event": "group_create" if made else "group_reuse", "ranks": list(rs),
                                    "critical": critical, "tag": tag})
-        return created
+        return out[0]["created"]
 
     def _neighbour_sets(self, a: Assignment) -> list[tuple[int, ...]]:
-        """Rank sets of the splits one move unit away: what the policy may pick next."""
+        """Rank sets of the splits the policy may pick next: every legal split when there are
+        few (a small cluster), else those within two move units of the current one."""
+        splits = self.bounds.splits()
+        if len(splits) > PREWARM_ALL_SPLITS:
+            unit = self.bounds.move_unit
+            splits = tuple(r for r in splits if 0 < abs(r - a.num_rollout) <= 2 * unit)
         sets: list[tuple[int, ...]] = []
-        for target in (a.num_rollout - self.bounds.move_unit, a.num_rollout + self.bounds.move_unit):
-            if self.bounds.allowed(target):
+        for target in splits:
+            if target != a.num_rollout:
                 dst = planner.plan_resize(resize_id=-1, step=-1, src=a, target_rollout=target).dst
                 sets.extend(s for s in self._split_sets(dst) if s not in sets)
         return sets
@@ -277,6 +286,10 @@ class Cluster:
         self._prewarm_futures = []
 
     # ------------------------------------------------------------------ outputs
+
+    def param_digest(self) -> str:
+        """Digest of the current weights on the first training device (deterministic mode)."""
+        return ray.get(self.trainer().param_digest.remote())
 
     def trainer(self, index: int = 0) -> Any:
         return self.workers[self.assignment.devices(TRAIN)[index]]

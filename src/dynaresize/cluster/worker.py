@@ -88,8 +88,8 @@ class DeviceWorker:
     def create_groups(self, rank_sets: Sequence[Sequence[int]], critical: bool, tag: str = "") -> dict:
         """Collective over the world: every worker gets the same list in the same order."""
         t0 = time.time()
-        created = self.pool.create_many(rank_sets, critical=critical, tag=tag)
-        return {"created": created, "t0": t0, "t1": time.time()}
+        flags = [self.pool.create(rs, critical=critical, tag=tag) for rs in rank_sets]
+        return {"created": sum(flags), "flags": flags, "t0": t0, "t1": time.time()}
 
     @ray.method(concurrency_group="bg")
     def prewarm_groups(self, rank_sets: Sequence[Sequence[int]]) -> dict:
@@ -130,14 +130,21 @@ class DeviceWorker:
 
     def generate(self, requests: list[GenRequest], step: int) -> dict:
         self._maybe_fault("rollout", step)
+        self._pin_threads()
         t0 = time.time()
         results = self.engine.generate(requests)
         return {"results": results, "t0": t0, "t1": time.time(), "device": self.device}
+
+    def _pin_threads(self) -> None:
+        """torch's thread count is per calling thread under OpenMP: pin it where the math runs."""
+        if torch.get_num_threads() != self.cfg.cluster.torch_threads:
+            torch.set_num_threads(self.cfg.cluster.torch_threads)
 
     def train(self, step: int, micro_batches: list[tuple[int, list]], num_micro_batches: int,
               total_tokens: int) -> dict:
         """One training step on this rank's micro-batches (fixed composition by sample index)."""
         self._maybe_fault("train", step)
+        self._pin_threads()
         t0 = time.time()
         group = self.pool.get(self.train_ranks) if len(self.train_ranks) > 1 else None
         tc = self.cfg.train
@@ -259,6 +266,12 @@ class DeviceWorker:
         group = self.pool.get(self.train_ranks) if len(self.train_ranks) > 1 else None
         self.trainer.gather_params(group)
         return {"t0": t0, "t1": time.time()}
+
+    def param_digest(self) -> str:
+        """sha1 of the full compute parameters' bytes: equal digests mean bit-identical weights."""
+        import hashlib
+
+        return hashlib.sha1(flatten_params(self.trainer.model).numpy().tobytes()).hexdigest()
 
     def trainer_scalars(self) -> dict:
         return self.trainer.scalars()
