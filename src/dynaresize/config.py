@@ -124,8 +124,8 @@ class PolicyConfig:
     min_train: int = 1
     move_unit: int = 1
     profile_steps: int = 3  # steps `static-profiled` (and the start of every dynamic policy) watch
-    enter_band: float = 0.10  # relative predicted gain that arms a move
-    exit_band: float = 0.04  # relative gain under which an armed move disarms
+    enter_band: float = 0.05  # relative predicted gain that arms a move
+    exit_band: float = 0.02  # relative gain under which an armed move disarms
     dwell_steps: int = 2  # the gain must persist this many steps
     cooldown_steps: int = 2  # no move within this many steps of the last one
     horizon_steps: int = 20  # the predicted gain is summed over this many steps

@@ -47,9 +47,11 @@ class Run:
         self.ledger = Ledger(staleness=cfg.train.staleness)
         bounds = Bounds(num_devices=cfg.cluster.devices, min_rollout=cfg.policy.min_rollout,
                         min_train=cfg.policy.min_train, move_unit=cfg.policy.move_unit)
-        self.assignment = Assignment.split(cfg.cluster.devices, cfg.cluster.rollout_devices)
-        self.controller = Controller(policy=make_policy(cfg.policy, bounds, num_steps=cfg.steps),
-                                     bounds=bounds, assignment=self.assignment)
+        policy = make_policy(cfg.policy, bounds, num_steps=cfg.steps)
+        # A policy may name its split from step 0 (static:R, a scripted step-0 entry).
+        start = getattr(policy, "start_rollout", None)
+        self.assignment = Assignment.split(cfg.cluster.devices, cfg.cluster.rollout_devices if start is None else start)
+        self.controller = Controller(policy=policy, bounds=bounds, assignment=self.assignment)
         self.cluster = Cluster(cfg, on_event=self._on_event)
         self.progress = progress
         self.rewards: list[float] = []
