@@ -22,14 +22,14 @@ from typing import Any
 
 from dynaresize.cluster.cluster import Cluster, ResizeOutcome, RolloutOutcome
 from dynaresize.config import RunConfig, config_to_dict
-from dynaresize.control.controller import Controller
+from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
 from dynaresize.job import Job, ScoredStep
 from dynaresize.ledger import Ledger, sample_record
 from dynaresize.policy.base import make_policy
 from dynaresize.records import Recorder
 from dynaresize.rl import grpo
-from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, Move, ResizePlan, StepReport
+from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan, StepReport
 
 
 class Run:
@@ -164,9 +164,8 @@ class Run:
 
     def _decide(self, step: int, report: StepReport) -> None:
         commands = self.controller.on_report(report)
-        d = self.controller.last_decision
-        self.rec.emit("decision", step=step, action="move" if isinstance(d, Move) else "keep",
-                      reason=getattr(d, "reason", ""), state=str(self.controller.state))
+        self.rec.emit("decision", step=step, **decision_fields(self.controller),
+                      state=str(self.controller.state.value))
         for cmd in commands:
             if isinstance(cmd, Refusal):
                 self.rec.emit("refused", step=step, requested_rollout=cmd.requested_rollout, reason=cmd.reason)

@@ -158,3 +158,11 @@ class Controller:
 
 
 __all__ = ["Controller", "Command", "ControllerState", "Refusal"]
+
+
+def decision_fields(ctl: Controller) -> dict:
+    """The `action` and `reason` of the `decision` record for the controller's last report
+    (`keep`, `move`, or `suppressed` when the controller held a move back)."""
+    d = ctl.last_decision
+    action = "suppressed" if ctl.last_note else ("move" if isinstance(d, Move) else "keep")
+    return {"action": action, "reason": ctl.last_note or d.reason}

@@ -26,12 +26,12 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dynaresize.control.controller import Controller
+from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
 from dynaresize.sim.resize import ResizeTiming, lend_step, time_plan
 from dynaresize.sim.scenarios import Scenario
 from dynaresize.sim.stages import StageModel
-from dynaresize.types import Assignment, Bounds, Move, ResizePlan, StepReport
+from dynaresize.types import Assignment, Bounds, ResizePlan, StepReport
 
 
 class EventQueue:
@@ -237,8 +237,4 @@ def _apply(cmd, ctl: Controller, res: PolicyResult, rec, now: float, model, k: i
 
 
 def _decision(rec, ctl: Controller, k: int) -> None:
-    d = ctl.last_decision
-    action = "move" if isinstance(d, Move) else "keep"
-    if ctl.last_note:
-        action = "suppressed"
-    rec.emit("decision", step=k, action=action, reason=ctl.last_note or d.reason)
+    rec.emit("decision", step=k, **decision_fields(ctl))
