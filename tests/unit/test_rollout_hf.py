@@ -177,7 +177,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError):
         HFRolloutEngine(CFG, temperature=0.0)
     with pytest.raises(ValueError):
-        HFRolloutEngine(CFG, temperature=1.0, batch_rows=2)
+        HFRolloutEngine(CFG, temperature=1.0, batch_rows=0)
     from dynaresize.errors import UserError
 
     with pytest.raises(UserError, match="vllm"):

@@ -57,16 +57,13 @@ def toy_prompts(num_prompts: int = TOY_NUM_PROMPTS, letters: str = TOY_LETTERS, 
     return out
 
 
-_PSEUDO_WORDS = frozenset(pseudo_words())
-
-
 def toy_count_reward(prompt: str, response: str, fields: dict) -> float:
-    """The fraction of the response's words that are pseudo-words starting with `fields["letter"]`."""
+    """The fraction of the response's words (split on whitespace) that start with `fields["letter"]`."""
     letter = fields["letter"]
     words = response.split()
     if not words:
         return 0.0
-    return sum(1 for w in words if w[0] == letter and w in _PSEUDO_WORDS) / len(words)
+    return sum(1 for w in words if w[0] == letter) / len(words)
 
 
 def load_task(cfg: TaskConfig) -> Task:
