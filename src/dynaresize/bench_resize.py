@@ -1,0 +1,425 @@
+"""`dynaresize bench resize`: measured resize costs, optimized vs naive, on real workers.
+
+One run starts a `Cluster` (Ray actors, one gloo world) with a Qwen2 model sized to about
+`--params` parameters, trains one step (so the optimizer moments are real), then moves one
+device back and forth between the pools, in both directions, by both paths:
+- optimized: `Cluster.resize` (cached communicators, bounded-staging reshard, optimizer moments
+  in the background) followed by `finish_background`;
+- naive: `cluster.naive.naive_resize` (checkpoint to disk, kill every worker, new processes,
+  new world, reload at the new training size, rebuild engines).
+A naive restart is also how the run switches the staging bound (`reshard.staging_bytes`): the
+restarted workers get the next bound of the sweep, the last (the primary: the configured
+default) gets `--repeats` round trips, the others one each. The primary bound's numbers are
+the headline.
+
+Outputs in DIR: `summary.json` (keys documented in docs/resize.md), `records.jsonl` (`resize`
+and `op` records, naive phases as ops with `path: naive`), `resize_timeline.png` (op timeline
+of one optimized resize per direction and one naive resize, critical ops in red).
+
+Checks made here, not assumed: the trainer state (parameters, both moments, step) read back
+from a checkpoint after every move equals the one before the first move (`state_preserved`),
+and every op's staging peak stays within its bound.
+
+Peak staging of a parameter move: the op dicts of `Cluster.resize` carry `peak_staging_bytes`
+when the cluster surfaces it; otherwise it is derived from the same transfer plan the worker
+executes (`peak_staging_source` says which). Moment moves report the worker's own figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from dynaresize.errors import UserError
+
+KIB, MIB = 1 << 10, 1 << 20
+SWEEP_BYTES = (64 * KIB, 16 * MIB)  # then the primary (configured default) bound
+TO_ROLLOUT, TO_TRAIN = "train->rollout", "rollout->train"
+PARAM_BYTES_PER_ELEM, MOMENT_BYTES_PER_ELEM = 4, 8  # fp32 params; exp_avg + exp_avg_sq packed
+
+
+def model_for_params(num_params: float) -> dict:
+    """A built-in Qwen2 `model` config section of about `num_params` trainable parameters
+    (per layer 16*H^2 + 5*H with the MLP at 4*H, plus untied embedding and head 2*V*H)."""
+    if not num_params > 0:
+        raise UserError(f"--params: must be > 0, got {num_params}")
+    layers, vocab = (8, 8192) if num_params >= 1e7 else (4, 2048) if num_params >= 1e6 else (2, 512)
+    b = 2 * vocab + 5 * layers + 1
+    h = (-b + math.sqrt(b * b + 64 * layers * num_params)) / (32 * layers)
+    hidden = max(64, int(round(h / 64)) * 64)
+    return {"hidden_size": hidden, "num_layers": layers, "num_heads": hidden // 64, "vocab_size": vocab}
+
+
+def qwen2_num_params(model: dict) -> int:
+    """Trainable parameters of the built-in Qwen2 for a `model` section (rl.models.qwen2_config:
+    MLP 4*H, biases on q/k/v, two norms per layer, a final norm, untied embedding and head)."""
+    h, layers, vocab = model["hidden_size"], model["num_layers"], model["vocab_size"]
+    return 2 * vocab * h + layers * (16 * h * h + 5 * h) + h
+
+
+def planned_peak_staging(numel: int, old_ranks, new_ranks, rank: int, staging_bytes: int, bytes_per_elem: int) -> int:
+    """The staging buffer `reshard.execute` allocates on `rank` for this move (largest remote chunk)."""
+    from dynaresize.reshard.plan import chunk_elems_for, transfer_plan
+
+    plan = transfer_plan(numel, tuple(sorted(old_ranks)), tuple(sorted(new_ranks)),
+                         chunk_elems=chunk_elems_for(staging_bytes, bytes_per_elem))
+    return max((t.numel * bytes_per_elem for t in plan if not t.is_local and rank in (t.src, t.dst)), default=0)
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def _config(devices: int, model: dict, staging_bytes: int | None):
+    from dynaresize.config import build_config
+
+    # Start with fewer rollout than training devices, so training keeps >= 2 devices at 4+.
+    data: dict = {"cluster": {"devices": devices, "rollout_devices": max(1, (devices - 1) // 2)}, "model": model}
+    if staging_bytes is not None:
+        data["reshard"] = {"staging_bytes": int(staging_bytes)}
+    return build_config(data)
+
+
+def _train_once(cluster, cfg) -> None:
+    """One real training step, so moments and step counters are not their initial zeros."""
+    from dynaresize.rl import grpo
+
+    rng, vocab = random.Random(0), cfg.model.vocab_size
+    samples = [grpo.TrainSample(sample_id=(0, i // 4, i % 4), prompt_ids=[2, 5, 6, 7],
+                                response_ids=[rng.randrange(4, vocab) for _ in range(8)],
+                                rollout_logprobs=[-2.0] * 8, advantage=1.0 if i % 2 else -1.0) for i in range(8)]
+    cluster.train(0, grpo.micro_batches(samples, cfg.train.micro_batch_size), grpo.total_response_tokens(samples))
+
+
+def _read_state(directory: Path, numel: int) -> dict:
+    from dynaresize.roles import checkpoint as ckpt
+
+    reader = ckpt.CheckpointReader(directory)
+    state = {k: reader.read(k, 0, numel) for k in ckpt.STATE_KEYS}
+    state["step"] = int(ckpt.decode_scalars(reader.manifest["scalars"])["step"])
+    return state
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    import torch
+
+    return all(torch.equal(a[k], b[k]) if k != "step" else a[k] == b[k] for k in a)
+
+
+class _Bench:
+    """The run's state: cluster, counters, measured resizes (see the module docstring)."""
+
+    def __init__(self, devices: int, model: dict, out: Path) -> None:
+        from dynaresize.records import Recorder
+
+        self.devices, self.model, self.out = devices, model, out
+        self.recorder = Recorder(out / "records.jsonl")
+        self.t0 = time.time()
+        self.resizes: list[dict] = []
+        self.naive: list[Any] = []
+        self.next_id = 0
+        self.initial_rollout = max(1, (devices - 1) // 2)
+        self.step = 1  # every move happens after the one training step (version 1 weights)
+
+    def _emit(self, res: dict, ops: list[dict], plan) -> None:
+        self.recorder.emit("resize", resize_id=res["resize_id"], step=self.step, **{"from": plan.src.to_json()},
+                           to=plan.dst.to_json(), moving=list(plan.moving), to_role=plan.to_role,
+                           critical_s=res["critical_s"], total_s=res["total_s"], path=res["path"],
+                           staging_bytes=res.get("staging_bytes"))
+        for op in ops:
+            self.recorder.emit("op", resize_id=res["resize_id"], name=op["name"], device=op["device"],
+                               start_s=op["t0"] - self.t0, end_s=op["t1"] - self.t0, bytes=op.get("bytes", 0),
+                               critical=op["critical"], path=res["path"])
+
+    def optimized(self, cluster, target: int, numel: int) -> dict:
+        import ray
+
+        from dynaresize.control.planner import MOVE_PARAM_SHARDS, RECEIVE_PARAM_SHARDS, plan_resize
+
+        bound = cluster.cfg.reshard.staging_bytes
+        plan = plan_resize(resize_id=self.next_id, step=self.step, src=cluster.assignment, target_rollout=target)
+        self.next_id += 1
+        o = cluster.resize(plan, version=self.step, step=self.step, background_moments=True)
+        worker_bg = {(name, d): ray.get(ref) for name, d, ref in o.background}
+        cluster.finish_background(o)
+        old, new = plan.src.devices("train"), plan.dst.devices("train")
+        sources: set[str] = set()
+        for op in o.ops:
+            if op["name"] in (MOVE_PARAM_SHARDS, RECEIVE_PARAM_SHARDS):
+                if "peak_staging_bytes" in op:
+                    sources.add("cluster")
+                else:
+                    op["peak_staging_bytes"] = planned_peak_staging(numel, old, new, op["device"], bound,
+                                                                    PARAM_BYTES_PER_ELEM)
+                    sources.add("plan")
+            elif (op["name"], op["device"]) in worker_bg and "peak_staging_bytes" in worker_bg[op["name"], op["device"]]:
+                op["peak_staging_bytes"] = int(worker_bg[op["name"], op["device"]]["peak_staging_bytes"])
+                sources.add("worker")
+        res = {"path": "optimized", "resize_id": plan.resize_id, "direction": TO_ROLLOUT if plan.to_role == "rollout"
+               else TO_TRAIN, "staging_bytes": bound, "critical_s": o.critical_end - o.t_decide,
+               "total_s": max(op["t1"] for op in o.ops) - o.t_decide,
+               "groups_created_critical": int(o.groups_created_critical),
+               "peak_staging_bytes": max((int(op.get("peak_staging_bytes", 0)) for op in o.ops), default=0),
+               "peak_staging_source": sorted(sources), "moving": list(plan.moving),
+               "ops": [{**op, "t0": op["t0"] - o.t_decide, "t1": op["t1"] - o.t_decide} for op in o.ops]}
+        self._emit(res, o.ops, plan)
+        self.resizes.append(res)
+        return res
+
+    def naive_move(self, cluster, target: int, next_cfg, keep_checkpoint: bool = False):
+        from dynaresize.cluster.naive import naive_resize
+        from dynaresize.control.planner import plan_resize
+
+        plan = plan_resize(resize_id=self.next_id, step=self.step, src=cluster.assignment, target_rollout=target)
+        self.next_id += 1
+        n = naive_resize(cluster, plan, version=self.step, step=self.step, checkpoint_root=self.out,
+                         new_cfg=next_cfg, keep_checkpoint=keep_checkpoint)
+        res = {"path": "naive", "resize_id": plan.resize_id, "direction": TO_ROLLOUT if plan.to_role == "rollout"
+               else TO_TRAIN, "critical_s": n.critical_s, "total_s": n.critical_s,
+               "groups_created_critical": n.groups_created_critical, "checkpoint_bytes": n.checkpoint_bytes,
+               "phases_s": n.phase_s(), "old_pids": n.old_pids, "new_pids": n.new_pids,
+               "ops": [{**p, "critical": True, "t0": p["t0"] - n.t_decide, "t1": p["t1"] - n.t_decide}
+                       for p in n.phases]}
+        self._emit(res, [{**p, "critical": True} for p in n.phases], plan)
+        self.resizes.append(res)
+        self.naive.append(n)
+        return n
+
+
+def _warm_reload(cluster, directory: Path, step: int) -> dict:
+    """The state part of a naive restart, on processes that are already warm: reload the
+    checkpoint at the current training size, rebuild the engines, sync weights."""
+    import ray
+
+    a = cluster.assignment
+    t0 = time.time()
+    ray.get([cluster.workers[d].load_checkpoint.remote(str(directory), a.devices("train")) for d in a.devices("train")]
+            + [cluster.workers[d].start_rollout.remote(step) for d in a.devices("rollout")])
+    t1 = time.time()
+    cluster.sync_weights(step, step)
+    return {"reload_and_engines_s": t1 - t0, "load_weights_s": time.time() - t1}
+
+
+def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bounds: tuple[int, ...] | None = None,
+              naive_moves: int | None = None) -> dict:
+    """Run the benchmark (module docstring); returns the summary (also written to out)."""
+    from dynaresize.cluster.cluster import Cluster
+    from dynaresize.config import ReshardConfig
+    from dynaresize.roles.checkpoint import read_manifest
+    from dynaresize.types import Assignment
+
+    if devices < 3:
+        raise UserError(f"--devices: need at least 3 (a move each way keeps a device in each pool), got {devices}")
+    if repeats < 1:
+        raise UserError(f"--repeats: must be >= 1, got {repeats}")
+    primary = ReshardConfig().staging_bytes
+    bounds = tuple(bounds) if bounds else SWEEP_BYTES + (primary,)
+    primary = bounds[-1]
+    num_naive = naive_moves if naive_moves is not None else max(2, len(bounds) - 1)
+    if num_naive < max(1, len(bounds) - 1):
+        raise UserError(f"naive moves: {num_naive} cannot switch through {len(bounds)} staging bounds")
+    model = model_for_params(num_params)
+    out.mkdir(parents=True, exist_ok=True)
+    bench = _Bench(devices, model, out)
+    cfgs = [_config(devices, model, b) for b in bounds]
+    numel = qwen2_num_params(model)  # replaced below by the trainers' own count (checkpoint manifest)
+    r0 = cfgs[0].cluster.rollout_devices
+    print(f"bench resize: {devices} devices, Qwen2 {numel / 1e6:.2f}M params {model}; bounds "
+          f"{[_fmt_bytes(b) for b in bounds]}; starting workers...", flush=True)
+    cluster = Cluster(cfgs[0])
+    t = time.time()
+    ref_dir, end_dir = out / "state-before", out / "state-after"
+    try:
+        cluster.start(Assignment.split(devices, r0))
+        start_s = time.time() - t
+        _train_once(cluster, cfgs[0])
+        cluster.save_checkpoint(str(ref_dir))
+        numel = int(read_manifest(ref_dir)["numel"])
+        seg, naive_done, warm = 0, 0, None
+        while True:
+            pairs = repeats if seg == len(bounds) - 1 else 1
+            for _ in range(pairs):  # a round trip: away from the current split and back
+                back = cluster.assignment.num_rollout
+                away = back + 1 if back == r0 else back - 1
+                for target in (away, back):
+                    r = bench.optimized(cluster, target, numel)
+                    print(f"  optimized {r['direction']:15s} bound {_fmt_bytes(r['staging_bytes']):>8s}: critical "
+                          f"{r['critical_s']:.3f} s, total {r['total_s']:.3f} s", flush=True)
+            if naive_done >= num_naive:
+                break
+            seg = min(seg + 1, len(bounds) - 1)
+            last = naive_done == num_naive - 1
+            now = cluster.assignment.num_rollout
+            n = bench.naive_move(cluster, r0 + 1 if now == r0 else r0, cfgs[seg], keep_checkpoint=last)
+            naive_done += 1
+            print(f"  naive     {bench.resizes[-1]['direction']:15s}: critical {n.critical_s:.3f} s "
+                  f"({', '.join(f'{k} {v:.2f}' for k, v in n.phase_s().items())})", flush=True)
+            if last:
+                warm = _warm_reload(cluster, Path(n.checkpoint_dir), bench.step)
+                shutil.rmtree(n.checkpoint_dir, ignore_errors=True)
+        cluster.save_checkpoint(str(end_dir))
+        preserved = _same_state(_read_state(ref_dir, numel), _read_state(end_dir, numel))
+    finally:
+        cluster.stop()
+        bench.recorder.close()
+        for d in (ref_dir, end_dir):
+            shutil.rmtree(d, ignore_errors=True)
+    summary = _summarize(bench, numel, bounds, primary, start_s, warm, preserved, repeats)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(bench, out / "resize_timeline.png", primary)
+    print(format_table(summary), flush=True)
+    return summary
+
+
+def _by(items: list[dict], key: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for it in items:
+        out.setdefault(it[key], []).append(it)
+    return out
+
+
+def _op_medians(resizes: list[dict], critical: bool) -> dict[str, float]:
+    """Median over resizes of each op's span (first start to last end over its devices)."""
+    per: dict[str, list[float]] = {}
+    for r in resizes:
+        spans: dict[str, list[float]] = {}
+        for op in r["ops"]:
+            if op["critical"] == critical:
+                s = spans.setdefault(op["name"], [op["t0"], op["t1"]])
+                s[0], s[1] = min(s[0], op["t0"]), max(s[1], op["t1"])
+        for name, (a, b) in spans.items():
+            per.setdefault(name, []).append(b - a)
+    return {name: _median(v) for name, v in per.items()}
+
+
+def _summarize(bench: _Bench, numel: int, bounds, primary: int, start_s: float, warm: dict | None,
+               preserved: bool, repeats: int) -> dict:
+    opt = [r for r in bench.resizes if r["path"] == "optimized"]
+    naive = [r for r in bench.resizes if r["path"] == "naive"]
+    head = [r for r in opt if r["staging_bytes"] == primary]
+    opt_dir, naive_dir = _by(head, "direction"), _by(naive, "direction")
+    crit_opt, crit_naive = _median([r["critical_s"] for r in head]), _median([r["critical_s"] for r in naive])
+    state_s = (_median([n.phase_s().get("save_checkpoint", 0.0) for n in bench.naive])
+               + (warm["reload_and_engines_s"] + warm["load_weights_s"] if warm else float("nan")))
+    per_bound = []
+    for b in bounds:
+        rs = [r for r in opt if r["staging_bytes"] == b]
+        per_bound.append({"staging_bound_bytes": b, "peak_staging_bytes": max((r["peak_staging_bytes"] for r in rs), default=0),
+                          "critical_s_median": _median([r["critical_s"] for r in rs]),
+                          "total_s_median": _median([r["total_s"] for r in rs]), "num_resizes": len(rs),
+                          "within_bound": all(r["peak_staging_bytes"] <= b for r in rs)})
+    max_train = bench.devices - bench.initial_rollout
+    return {
+        "devices": bench.devices, "model": bench.model, "num_params": numel, "repeats": repeats,
+        "cluster_start_s": start_s, "staging_bound_bytes": primary,
+        "param_shard_bytes_min": numel // max_train * PARAM_BYTES_PER_ELEM,
+        "optimized": {
+            "critical_s_median": crit_opt, "total_s_median": _median([r["total_s"] for r in head]),
+            "groups_created_critical": sum(r["groups_created_critical"] for r in opt),
+            "peak_staging_bytes": max((r["peak_staging_bytes"] for r in head), default=0),
+            "peak_staging_source": sorted({s for r in opt for s in r["peak_staging_source"]}),
+            "by_direction": {d: {"critical_s_median": _median([r["critical_s"] for r in rs]),
+                                 "total_s_median": _median([r["total_s"] for r in rs]), "num_resizes": len(rs),
+                                 "critical_ops_s": _op_medians(rs, True), "background_ops_s": _op_medians(rs, False)}
+                             for d, rs in sorted(opt_dir.items())},
+        },
+        "naive": {
+            "critical_s_median": crit_naive,
+            "groups_created_critical": sum(r["groups_created_critical"] for r in naive),
+            "checkpoint_bytes": max((r["checkpoint_bytes"] for r in naive), default=0),
+            "by_direction": {d: {"critical_s_median": _median([r["critical_s"] for r in rs]), "num_resizes": len(rs),
+                                 "phases_s": {k: _median([r["phases_s"][k] for r in rs if k in r["phases_s"]])
+                                              for k in rs[0]["phases_s"]}}
+                             for d, rs in sorted(naive_dir.items())},
+            "state_s": state_s, "process_s": crit_naive - state_s, "warm_reload": warm,
+        },
+        "speedup": crit_naive / crit_opt if crit_opt > 0 else float("inf"),
+        "speedup_by_direction": {d: _median([r["critical_s"] for r in naive_dir[d]])
+                                 / _median([r["critical_s"] for r in opt_dir[d]]) for d in naive_dir if d in opt_dir},
+        "bounds": per_bound,
+        "state_preserved": preserved,
+        "resizes": [{k: v for k, v in r.items()} for r in bench.resizes],
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("MiB", MIB), ("KiB", KIB)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{int(n)} B"
+
+
+def format_table(s: dict) -> str:
+    o, n = s["optimized"], s["naive"]
+    lines = [f"\nresize bench: {s['devices']} devices, {s['num_params'] / 1e6:.2f}M params, "
+             f"staging bound {_fmt_bytes(s['staging_bound_bytes'])} (param shard >= {_fmt_bytes(s['param_shard_bytes_min'])})",
+             f"{'path':10s} {'direction':16s} {'critical s':>10s} {'total s':>9s} {'n':>3s}"]
+    for d, v in o["by_direction"].items():
+        lines.append(f"{'optimized':10s} {d:16s} {v['critical_s_median']:10.3f} {v['total_s_median']:9.3f} {v['num_resizes']:3d}")
+    for d, v in n["by_direction"].items():
+        lines.append(f"{'naive':10s} {d:16s} {v['critical_s_median']:10.3f} {v['critical_s_median']:9.3f} {v['num_resizes']:3d}")
+    sp = ", ".join(f"{d} {v:.1f}x" for d, v in s["speedup_by_direction"].items())
+    lines += [f"speedup (naive / optimized critical, medians): {s['speedup']:.1f}x ({sp})",
+              f"groups created on the critical path: optimized {o['groups_created_critical']}, naive {n['groups_created_critical']}",
+              f"naive: {n['process_s']:.2f} s process restart vs {n['state_s']:.2f} s state (save + warm reload + sync)",
+              "staging bound -> peak staging (critical s median, total s median):"]
+    for b in s["bounds"]:
+        lines.append(f"  {_fmt_bytes(b['staging_bound_bytes']):>9s} -> {_fmt_bytes(b['peak_staging_bytes']):>9s} "
+                     f"({b['critical_s_median']:.3f} s, {b['total_s_median']:.3f} s){'' if b['within_bound'] else '  OVER BOUND'}")
+    for d, v in o["by_direction"].items():
+        lines.append(f"optimized {d} critical ops (median s): "
+                     + ", ".join(f"{k} {x:.3f}" for k, x in v["critical_ops_s"].items()))
+    for d, v in n["by_direction"].items():
+        lines.append(f"naive {d} phases (median s): " + ", ".join(f"{k} {x:.2f}" for k, x in v["phases_s"].items()))
+    lines.append(f"trainer state preserved across all moves: {s['state_preserved']}")
+    return "\n".join(lines)
+
+
+def _plot(bench: _Bench, path: Path, primary: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    opt = [r for r in bench.resizes if r["path"] == "optimized" and r["staging_bytes"] == primary]
+    shown = [rs[-1] for rs in _by(opt, "direction").values()] + [r for r in bench.resizes if r["path"] == "naive"][:1]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(12, 2 + 2.2 * len(shown)), squeeze=False)
+    for ax, r in zip(axes[:, 0], shown):
+        ops = sorted(r["ops"], key=lambda op: (op["t0"], op["device"]))
+        for i, op in enumerate(ops):
+            ax.barh(i, max(op["t1"] - op["t0"], 1e-3), left=op["t0"], height=0.7,
+                    color="#C44E52" if op["critical"] else "#8DA0CB", edgecolor="black", linewidth=0.3)
+        ax.set_yticks(range(len(ops)))
+        ax.set_yticklabels([f"{op['name']} (d{op['device']})" if op["device"] >= 0 else op["name"] for op in ops],
+                           fontsize=7)
+        ax.invert_yaxis()
+        ax.axvline(r["critical_s"], color="#C44E52", linestyle="--", linewidth=1)
+        ax.set_title(f"{r['path']} {r['direction']}: critical {r['critical_s']:.2f} s (dashed), total "
+                     f"{r['total_s']:.2f} s; red = critical op, blue = background op", fontsize=9)
+        ax.set_xlabel("seconds since the resize decision")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry of `dynaresize bench resize` (flags from commands/bench.py; tests may add
+    `staging_bounds` and `naive_moves` to `args`)."""
+    out = Path(args.out or "bench-out/resize")
+    if not getattr(args, "address", None):
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user Ray started by this command
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    summary = run_bench(devices=int(args.devices), num_params=float(args.params), repeats=int(args.repeats), out=out,
+                        bounds=getattr(args, "staging_bounds", None), naive_moves=getattr(args, "naive_moves", None))
+    ok = (summary["state_preserved"] and summary["optimized"]["groups_created_critical"] == 0
+          and all(b["within_bound"] for b in summary["bounds"]))
+    print(f"wrote {out / 'summary.json'} and {out / 'resize_timeline.png'}", flush=True)
+    return 0 if ok else 1
