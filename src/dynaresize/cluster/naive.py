@@ -80,6 +80,14 @@ class NaiveOutcome:
         return {name: hi - lo for name, (lo, hi) in spans.items()}
 
 
+def worker_env(cfg: RunConfig) -> dict:
+    """The actor options `Cluster.start` gives its workers beyond placement (same thread
+    pinning, so both paths compute with the same settings). Keep in step with cluster.py."""
+    threads = str(cfg.cluster.torch_threads)
+    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                                         "TOKENIZERS_PARALLELISM": "false"}}}
+
+
 def _dir_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
@@ -144,7 +152,8 @@ def naive_resize(cluster: Cluster, plan: ResizePlan, *, version: int, step: int,
         actor_cls = remote_worker_class()
         cfg_dict = config_to_dict(cfg)
         workers = [actor_cls.options(**actor_options(cluster._pg, d, use_gpu=use_gpu,
-                                                     cpus_per_device=cfg.cluster.cpus_per_device)).remote(d, cfg_dict)
+                                                     cpus_per_device=cfg.cluster.cpus_per_device),
+                                     **worker_env(cfg)).remote(d, cfg_dict)
                    for d in range(cluster.num_devices)]
         infos = ray.get([w.info.remote() for w in workers])
         out.new_pids = [int(i["pid"]) for i in infos]
