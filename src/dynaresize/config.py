@@ -131,6 +131,7 @@ class PolicyConfig:
     horizon_steps: int = 20  # the predicted gain is summed over this many steps
     cost_margin: float = 2.0  # the predicted gain must beat the move cost times this
     greedy_threshold: float = 1.2  # greedy: move when slower/faster stage time exceeds this
+    move_cost_prior_s: float = 10.0  # hysteresis: a move's cost before one is measured (REFERENCES 3.3)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.name in POLICY_NAMES or self.name.startswith("static:"), "name", self.name,
@@ -145,6 +146,7 @@ class PolicyConfig:
         err.need(self.cooldown_steps >= 0, "cooldown_steps", self.cooldown_steps, "must be >= 0")
         err.need(self.horizon_steps >= 1, "horizon_steps", self.horizon_steps, "must be >= 1")
         err.need(self.cost_margin >= 1, "cost_margin", self.cost_margin, "must be >= 1")
+        err.need(self.move_cost_prior_s >= 0, "move_cost_prior_s", self.move_cost_prior_s, "must be >= 0")
         err.need(self.greedy_threshold > 1, "greedy_threshold", self.greedy_threshold, "must be > 1")
         if self.name == "scripted":
             err.need(bool(self.schedule), "schedule", self.schedule, "scripted policy needs a schedule")

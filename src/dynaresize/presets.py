@@ -14,12 +14,14 @@ from dynaresize.errors import ConfigError
 
 def default() -> dict:
     return {
-        "steps": 14,
+        "steps": 24,
         "seed": 0,
         "cluster": {"devices": 4, "rollout_devices": 2},
-        "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 48,
+        "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 64,
                     "synthetic_lengths": True, "length_workload": "demo"},
-        "policy": {"name": "hysteresis"},
+        # Resizes on this CPU demo cost well under a second (measured); the default prior
+        # (10 s, a GPU cluster's warm join) would veto every move before the first is measured.
+        "policy": {"name": "hysteresis", "move_cost_prior_s": 1.0},
     }
 
 

@@ -30,7 +30,6 @@ from dynaresize.control.window import Persistence
 from dynaresize.policy.model import OnlineStageModel
 from dynaresize.types import Bounds, Decision, Keep, StepReport, move_to
 
-PRIOR_MOVE_COST_S = 10.0  # before any measured move: pessimistic against 1-10 s warm joins (REFERENCES 3.3)
 NEAR_BEST = 0.005  # splits predicted within 0.5% of the best count as equally good
 COST_EWMA = 0.5
 
@@ -48,7 +47,7 @@ class Hysteresis:
         self.reversal_window_steps = cfg.dwell_steps + cfg.cooldown_steps
         self.model = OnlineStageModel(window=window, trend_window=max(cfg.horizon_steps, 3))
         self.persist = Persistence()
-        self.move_cost_s = PRIOR_MOVE_COST_S
+        self.move_cost_s = cfg.move_cost_prior_s  # before any measured move (default pessimistic)
         self._cost_measured = False
         self._last_move: tuple[int, int] | None = None  # (step, direction)
         self.last_prediction: dict[str, float] = {}

@@ -54,6 +54,7 @@ class WorkloadSpec:
     dip_tau_frac: float = 0.15
     u_rise: float = 0.0  # `demo`: log depth of a U (falls to mid-run, then rises)
     u_end: float = 0.0  # `demo`: log level at the end relative to the start
+    u_power: float = 1.0  # `demo`: > 1 narrows the valley of the U and widens its shoulders
     jitter: float = 0.05  # per-step log jitter (7.2)
     runaway0: float = 0.003  # runaway-to-cap probability at mu0 (7.1: 0-0.5%, long-CoT ~1%)
     runaway_gain: float = 1.0  # kappa: runaway grows as the median grows
@@ -72,7 +73,7 @@ class WorkloadSpec:
             mu -= self.dip * (1.0 - math.exp(-t / max(self.dip_tau_frac * n, 1e-9)))
         if self.u_rise or self.u_end:
             x = min(max(t / max(n - 1, 1), 0.0), 1.0)
-            mu += self.u_rise * ((2.0 * x - 1.0) ** 2 - 1.0) + self.u_end * x
+            mu += -self.u_rise * (4.0 * x * (1.0 - x)) ** self.u_power + self.u_end * x
         return mu
 
     def cap_fraction(self, step: int, num_steps: int) -> float:
@@ -104,8 +105,10 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     # The CPU demo: the median first falls then rises (DeepScaleR's U, REFERENCES 2.3), so a short
     # real run sees rollout get lighter then heavier and resizes go both ways.
     # No runaway here: a demo's batch is small, and a random cap-length response would hide the U.
-    "demo": WorkloadSpec(name="demo", mu0=math.log(4000.0), sigma=0.6, u_rise=math.log(3.0),
-                         u_end=math.log(1.5), runaway0=0.0, jitter=0.02),
+    # The U is deep (8x) so that a 4-device CPU run sees rollout-bound, then train-bound, then
+    # rollout-bound windows: a demo of the mechanism, not a calibrated workload.
+    "demo": WorkloadSpec(name="demo", mu0=math.log(13000.0), sigma=0.4, u_rise=math.log(12.0),
+                         u_power=2.0, u_end=0.0, runaway0=0.0, jitter=0.02),
 }
 
 
