@@ -9,10 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-COLORS = {
-    "rollout": "#4C72B0", "train": "#DD8452", "weight_sync": "#55A868", "reshard": "#C44E52",
-    "optimizer_overlap": "#8172B3",
-}
+COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "weight_sync": "#55A868"}
 
 
 def write_timeline(records: Iterable[dict], path: str | Path, title: str = "dynaresize run") -> Path:
@@ -43,12 +40,12 @@ def write_timeline(records: Iterable[dict], path: str | Path, title: str = "dyna
     ax.invert_yaxis()
     ax.set_xlabel("seconds since start")
     ax.set_title(title)
-    handles = [Patch(color=c, label=n) for n, c in COLORS.items()]
+    used = {r["name"].split(":")[0] for r in spans}
+    handles = [Patch(color=c, label=n) for n, c in COLORS.items() if n in used]
     handles += [Patch(facecolor="#C44E52", hatch="///", label="resize op (critical)"),
                 Patch(facecolor="#BBBBBB", label="resize op (background)")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.02 * len(devices) / 4),
-              ncol=4, fontsize=8)
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
