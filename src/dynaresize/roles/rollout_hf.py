@@ -84,8 +84,27 @@ class HFRolloutEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def adopt_model(self, model: torch.nn.Module, version: int) -> None:
+        """Serve an existing model object as is (no copy, no init): a device switching from
+        training hands its compute model, which already holds the current weights, to the
+        engine, so building the engine costs nothing on the resize's critical path."""
+        self._install(model.to(self.device))
+        self.version = int(version)
+
+    def hand_over_model(self) -> torch.nn.Module:
+        """Give the model object away (to a trainer on this device) and become released."""
+        if self._model is None:
+            raise RuntimeError("rollout engine is released: no model to hand over")
+        model, self._model = self._model, None
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+
     def _load_model(self) -> None:
-        model = build_model(self.model_cfg).to(self.device).eval()
+        self._install(build_model(self.model_cfg).to(self.device))
+
+    def _install(self, model: torch.nn.Module) -> None:
+        model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
         eos = model.config.eos_token_id
