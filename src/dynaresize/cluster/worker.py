@@ -11,7 +11,8 @@ concurrency group run on one background thread. The background thread does only 
 overlap the step's real work: pre-warming groups and moving optimizer moments on the
 `background` group (never a group the main thread uses: two threads must not share a group).
 `train` waits for pending moments only just before the optimizer step, so their movement
-overlaps forward and backward (DESIGN.md section 6).
+overlaps forward and backward (DESIGN.md section 6). A third thread, `ctl`, only answers
+liveness pings and fires injected faults (cluster/worker_recovery.py, cluster/faults.py).
 
 Every method that does timed work returns epoch start/end times (`time.time()`), which the
 driver turns into `span` and `op` records.
@@ -27,6 +28,8 @@ from typing import Any, Sequence
 import ray
 import torch
 
+from dynaresize.cluster.faults import fire
+from dynaresize.cluster.worker_recovery import RecoveryMixin
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import CommPool
 from dynaresize.config import RunConfig, build_config
@@ -43,7 +46,7 @@ MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
 BACKGROUND_TAG = "background"
 
 
-class DeviceWorker:
+class DeviceWorker(RecoveryMixin):
     """The actor body (wrapped by `ray.remote` in `remote_worker_class`)."""
 
     def __init__(self, device: int, config: dict) -> None:
@@ -67,7 +70,8 @@ class DeviceWorker:
         self._moments_done = threading.Event()
         self._moments_done.set()
         self._moments_error: BaseException | None = None
-        self._fault = None  # (kind, point, step) armed by the driver (issue 5)
+        self._faults: list[tuple[str, str, int]] = []  # (kind, point, step) armed by the driver
+        self._handover: torch.nn.Module | None = None  # engine model kept for a joining trainer
 
     # ------------------------------------------------------------------ world and groups
 
@@ -208,7 +212,8 @@ class DeviceWorker:
                                   kinds=kinds, dtypes={k: torch.float32 for k in kinds})
         if self.device in new_ranks:
             if self.trainer is None:  # joining: a model to compute with, params come by gather
-                self.trainer = self._new_trainer(build_model(self.cfg.model).train(), new_ranks)
+                model, self._handover = self._handover or build_model(self.cfg.model), None
+                self.trainer = self._new_trainer(model.train(), new_ranks)
                 self.trainer.load_scalars(scalars)
             self.trainer.load_state_shards(new, new_ranks)
             self.train_ranks, self.role = new_ranks, "train"
@@ -241,21 +246,27 @@ class DeviceWorker:
         current weights it already holds (no bytes move: the weights are local)."""
         self._maybe_fault("resize.switch", step)
         t0 = time.time()
-        state = self.trainer.full_state_dict()
+        model = self.trainer.model
         self.trainer.release()
         self.trainer, self.train_ranks = None, ()
         self.engine = build_rollout_engine(self.cfg.rollout.backend, self.cfg.model, self.cfg.rollout.temperature,
                                            batch_rows=self.cfg.rollout.batch_rows)
-        self.engine.set_weights(state, version)
+        if hasattr(self.engine, "adopt_model"):  # the compute model already holds the current weights
+            self.engine.adopt_model(model, version)
+        else:
+            self.engine.set_weights(model.state_dict(), version)
         self.role = "rollout"
         return {"t0": t0, "t1": time.time()}
 
     def release_engine(self, step: int) -> dict:
-        """Rollout -> train, first op: free the engine's memory (nothing is in flight at a step
-        boundary, so the drain is empty)."""
+        """Rollout -> train, first op: release the engine (its caches go; its model object is
+        kept for the trainer to compute with, so no model is built on the critical path).
+        Nothing is in flight at a step boundary, so the drain is empty."""
         self._maybe_fault("resize.switch", step)
         t0 = time.time()
-        if self.engine is not None:
+        if self.engine is not None and hasattr(self.engine, "hand_over_model"):
+            self._handover = self.engine.hand_over_model()  # the trainer computes with it
+        elif self.engine is not None:
             self.engine.release()
         self.engine, self.role = None, "joining"
         return {"t0": t0, "t1": time.time()}
@@ -297,16 +308,13 @@ class DeviceWorker:
     # ------------------------------------------------------------------ faults (issue 5)
 
     def arm_fault(self, kind: str | None, point: str | None = None, step: int | None = None) -> None:
-        self._fault = None if kind is None else (kind, point, step)
+        """Add a fault to fire at (point, step); `kind` None disarms all (cluster/faults.py)."""
+        self._faults = [] if kind is None else [*self._faults, (kind, point, step)]
 
     def _maybe_fault(self, point: str, step: int) -> None:
-        if self._fault is None or self._fault[1] != point or self._fault[2] != step:
-            return
-        kind = self._fault[0]
-        if kind == "kill":
-            os._exit(17)  # the process dies mid-work, as a crashed device would
-        while True:  # "stop": the worker hangs; only a timeout can find it
-            time.sleep(3600)
+        for kind, p, s in self._faults:
+            if p == point and s == step:
+                fire(kind)  # kill: the process dies mid-work; stop: the whole process freezes
 
     def ping(self) -> int:
         return self.device
@@ -314,4 +322,4 @@ class DeviceWorker:
 
 def remote_worker_class():
     """The Ray actor class; `bg` is the one background thread (see the module docstring)."""
-    return ray.remote(concurrency_groups={"bg": 1})(DeviceWorker)
+    return ray.remote(concurrency_groups={"bg": 1, "ctl": 1})(DeviceWorker)

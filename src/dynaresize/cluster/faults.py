@@ -1,0 +1,108 @@
+"""Fault injection for tests and demos: `KIND:DEVICE@POINT:STEP` (config `faults`, CLI `--inject`).
+
+KIND `kill`: the worker process dies (`os._exit`), as on a crashed device. KIND `stop`: the
+whole worker process freezes (SIGSTOP: every thread, Ray's too), as on a hung host; it answers
+nothing, so only timeouts can find it. DEVICE is the device id of the run's first
+generation (the id records use; it never changes after a recovery renumbers the ranks).
+
+POINTS and STEPS: `rollout` S = generating the samples of step S (overlapped with training of
+step S-1); `train` S, `weight_sync` S = the training step S and the sync of its result;
+`resize.reshard` S, `resize.switch` S = the resize decided after step S (it applies before
+step S+1): moving trainer state, switching the role of the moving devices.
+
+How a fault fires "whatever the device is doing at that moment":
+- every worker is armed at start with its faults (`arm_fault`); a worker that takes part in
+  the point fires inside the method that carries it out (`_maybe_fault`), mid-work;
+- when the driver reaches the point (`reach`), a faulted device that takes no part in it is
+  told to fire now (`fault_now`, on its `ctl` thread, which runs beside any work).
+
+`fire` is the one place a fault happens in a worker process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from dynaresize.config import FaultSpec, parse_fault
+from dynaresize.errors import ConfigError
+
+
+def fire(kind: str) -> None:
+    """Make this process fail as `kind` says (called inside a worker)."""
+    if kind == "kill":
+        os._exit(17)  # no cleanup, no goodbye: what a crashed device looks like to its peers
+    if hasattr(signal, "SIGSTOP"):
+        os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops where it is
+    while True:  # no SIGSTOP on this platform: hang the calling thread instead
+        time.sleep(3600)
+
+
+def parse_faults(specs: Iterable[str], num_devices: int) -> list[FaultSpec]:
+    """Parse and check fault specs against the device count; ConfigError lists every bad one."""
+    out, errors = [], []
+    for text in specs:
+        try:
+            spec = parse_fault(text)
+        except ValueError as exc:
+            errors.append(f"faults={text!r}: {exc}")
+            continue
+        if spec.device >= num_devices:
+            errors.append(f"faults={text!r}: device {spec.device} outside 0..{num_devices - 1}")
+        out.append(spec)
+    if errors:
+        raise ConfigError(errors)
+    return out
+
+
+@dataclass
+class Armed:
+    spec: FaultSpec
+    fired_t: float | None = None  # when the driver reached the point (the fault fired then)
+    attributed: bool = False  # matched to a detected loss
+
+
+@dataclass
+class FaultInjector:
+    """Driver side of fault injection for one run (see the module docstring)."""
+
+    specs: list[FaultSpec]
+    faults: list[Armed] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.faults = [Armed(s) for s in self.specs]
+
+    def arm(self, worker_of: Callable[[int], Any]) -> list[Any]:
+        """Arm every fault on its device's worker; returns the refs to wait on."""
+        return [worker_of(a.spec.device).arm_fault.remote(a.spec.kind, a.spec.point, a.spec.step)
+                for a in self.faults]
+
+    def reach(self, point: str, step: int, participants: Iterable[int], worker_of: Callable[[int], Any],
+              alive: Callable[[int], bool]) -> None:
+        """The run reached `point` of `step`; `participants` (device ids) carry it out.
+
+        A faulted participant fires inside its own call; any other faulted device fires now.
+        """
+        members = set(participants)
+        for a in self.faults:
+            s = a.spec
+            if a.fired_t is not None or s.point != point or s.step != step or not alive(s.device):
+                continue
+            a.fired_t = time.time()
+            if s.device not in members:
+                worker_of(s.device).fault_now.remote(s.kind)
+
+    def attribute(self, device: int) -> Armed | None:
+        """The injected fault that explains the loss of `device`, if any (each explains one loss)."""
+        for a in self.faults:
+            if a.spec.device == device and a.fired_t is not None and not a.attributed:
+                a.attributed = True
+                return a
+        return None
+
+    @property
+    def num_fired(self) -> int:
+        return sum(1 for a in self.faults if a.fired_t is not None)
