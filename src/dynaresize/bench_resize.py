@@ -9,8 +9,10 @@ device back and forth between the pools, in both directions, by both paths:
   new world, reload at the new training size, rebuild engines).
 A naive restart is also how the run switches the staging bound (`reshard.staging_bytes`): the
 restarted workers get the next bound of the sweep, the last (the primary: the configured
-default) gets `--repeats` round trips, the others one each. The primary bound's numbers are
-the headline.
+default) gets `--repeats` round trips, the others one each, each segment after one warm-up
+round trip that is recorded but left out of the medians (fresh processes pay lazy imports on
+their first move; a real run's workers have run both roles before they move). The primary
+bound's numbers are the headline.
 
 Outputs in DIR: `summary.json` (keys documented in docs/resize.md), `records.jsonl` (`resize`
 and `op` records, naive phases as ops with `path: naive`), `resize_timeline.png` (op timeline
@@ -139,7 +141,7 @@ class _Bench:
                                start_s=op["t0"] - self.t0, end_s=op["t1"] - self.t0, bytes=op.get("bytes", 0),
                                critical=op["critical"], path=res["path"])
 
-    def optimized(self, cluster, target: int, numel: int) -> dict:
+    def optimized(self, cluster, target: int, numel: int, *, warmup: bool = False) -> dict:
         import ray
 
         from dynaresize.control.planner import MOVE_PARAM_SHARDS, RECEIVE_PARAM_SHARDS, plan_resize
@@ -163,7 +165,7 @@ class _Bench:
             elif (op["name"], op["device"]) in worker_bg and "peak_staging_bytes" in worker_bg[op["name"], op["device"]]:
                 op["peak_staging_bytes"] = int(worker_bg[op["name"], op["device"]]["peak_staging_bytes"])
                 sources.add("worker")
-        res = {"path": "optimized", "resize_id": plan.resize_id, "direction": TO_ROLLOUT if plan.to_role == "rollout"
+        res = {"path": "optimized", "warmup": warmup, "resize_id": plan.resize_id, "direction": TO_ROLLOUT if plan.to_role == "rollout"
                else TO_TRAIN, "staging_bytes": bound, "critical_s": o.critical_end - o.t_decide,
                "total_s": max(op["t1"] for op in o.ops) - o.t_decide,
                "groups_created_critical": int(o.groups_created_critical),
@@ -246,12 +248,15 @@ def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bound
         seg, naive_done, warm = 0, 0, None
         while True:
             pairs = repeats if seg == len(bounds) - 1 else 1
-            for _ in range(pairs):  # a round trip: away from the current split and back
+            # A round trip: away from the current split and back. The first one after a (re)start
+            # is a warm-up, kept but left out of the medians: in a real run the workers have
+            # already run both roles' code before any move (see docs/resize.md).
+            for trip in range(pairs + 1):
                 back = cluster.assignment.num_rollout
                 away = back + 1 if back == r0 else back - 1
                 for target in (away, back):
-                    r = bench.optimized(cluster, target, numel)
-                    print(f"  optimized {r['direction']:15s} bound {_fmt_bytes(r['staging_bytes']):>8s}: critical "
+                    r = bench.optimized(cluster, target, numel, warmup=trip == 0)
+                    print(f"  {'(warm-up)' if trip == 0 else 'optimized'} {r['direction']:15s} bound {_fmt_bytes(r['staging_bytes']):>8s}: critical "
                           f"{r['critical_s']:.3f} s, total {r['total_s']:.3f} s", flush=True)
             if naive_done >= num_naive:
                 break
@@ -302,7 +307,8 @@ def _op_medians(resizes: list[dict], critical: bool) -> dict[str, float]:
 
 def _summarize(bench: _Bench, numel: int, bounds, primary: int, start_s: float, warm: dict | None,
                preserved: bool, repeats: int) -> dict:
-    opt = [r for r in bench.resizes if r["path"] == "optimized"]
+    every = [r for r in bench.resizes if r["path"] == "optimized"]  # warm-ups too: bounds and groups
+    opt = [r for r in every if not r["warmup"]]
     naive = [r for r in bench.resizes if r["path"] == "naive"]
     head = [r for r in opt if r["staging_bytes"] == primary]
     opt_dir, naive_dir = _by(head, "direction"), _by(naive, "direction")
@@ -311,11 +317,12 @@ def _summarize(bench: _Bench, numel: int, bounds, primary: int, start_s: float, 
                + (warm["reload_and_engines_s"] + warm["load_weights_s"] if warm else float("nan")))
     per_bound = []
     for b in bounds:
-        rs = [r for r in opt if r["staging_bytes"] == b]
-        per_bound.append({"staging_bound_bytes": b, "peak_staging_bytes": max((r["peak_staging_bytes"] for r in rs), default=0),
+        rs, all_rs = [r for r in opt if r["staging_bytes"] == b], [r for r in every if r["staging_bytes"] == b]
+        per_bound.append({"staging_bound_bytes": b,
+                          "peak_staging_bytes": max((r["peak_staging_bytes"] for r in all_rs), default=0),
                           "critical_s_median": _median([r["critical_s"] for r in rs]),
                           "total_s_median": _median([r["total_s"] for r in rs]), "num_resizes": len(rs),
-                          "within_bound": all(r["peak_staging_bytes"] <= b for r in rs)})
+                          "within_bound": all(r["peak_staging_bytes"] <= b for r in all_rs)})
     max_train = bench.devices - bench.initial_rollout
     return {
         "devices": bench.devices, "model": bench.model, "num_params": numel, "repeats": repeats,
@@ -323,8 +330,10 @@ def _summarize(bench: _Bench, numel: int, bounds, primary: int, start_s: float, 
         "param_shard_bytes_min": numel // max_train * PARAM_BYTES_PER_ELEM,
         "optimized": {
             "critical_s_median": crit_opt, "total_s_median": _median([r["total_s"] for r in head]),
-            "groups_created_critical": sum(r["groups_created_critical"] for r in opt),
-            "peak_staging_bytes": max((r["peak_staging_bytes"] for r in head), default=0),
+            "groups_created_critical": sum(r["groups_created_critical"] for r in every),
+            "warmup_critical_s": [r["critical_s"] for r in every if r["warmup"]],
+            "peak_staging_bytes": max((r["peak_staging_bytes"] for r in every if r["staging_bytes"] == primary),
+                                      default=0),
             "peak_staging_source": sorted({s for r in opt for s in r["peak_staging_source"]}),
             "by_direction": {d: {"critical_s_median": _median([r["critical_s"] for r in rs]),
                                  "total_s_median": _median([r["total_s"] for r in rs]), "num_resizes": len(rs),
@@ -389,7 +398,7 @@ def _plot(bench: _Bench, path: Path, primary: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    opt = [r for r in bench.resizes if r["path"] == "optimized" and r["staging_bytes"] == primary]
+    opt = [r for r in bench.resizes if r["path"] == "optimized" and r["staging_bytes"] == primary and not r["warmup"]]
     shown = [rs[-1] for rs in _by(opt, "direction").values()] + [r for r in bench.resizes if r["path"] == "naive"][:1]
     fig, axes = plt.subplots(len(shown), 1, figsize=(12, 2 + 2.2 * len(shown)), squeeze=False)
     for ax, r in zip(axes[:, 0], shown):
