@@ -9,11 +9,20 @@ training step consumes it (or drops it, with a reason); `check()` then proves, f
 - `consumed_step - version <= staleness` for every consumed sample (the staleness bound);
 - re-issued samples (after a fault) kept their id and seed.
 
+Faults and stops (docs/faults.md): a sample sent again after its device was lost is noted
+(`note_reissue`) and its entry says why (`reissued`); a run that stops early drops every
+sample it generated but did not consume, with the reason, and waives the steps it will not
+run (`stop_at`), so its verdict covers what it did. `state_before(step)` is the ledger as it
+stood at a checkpoint boundary (what a resumed run continues from). Consumption is noted only
+after the step's trainer state is safe (a snapshot), so a step redone after a loss never
+counts a sample twice.
+
 `sample_record()` gives the `sample` record of DESIGN.md section 3 / issue 3.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 SampleId = tuple[int, int, int]
@@ -37,6 +46,7 @@ class Entry:
     dropped: str | None = None
     times_generated: int = 1
     times_consumed: int = 0
+    reissued: str | None = None  # why it was generated again (a lost device), if it was
 
 
 @dataclass
@@ -45,6 +55,8 @@ class Ledger:
     entries: dict[SampleId, Entry] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     expected: dict[int, set[SampleId]] = field(default_factory=dict)
+    waived: dict[int, str] = field(default_factory=dict)  # steps a stopped run will not run, and why
+    reissues: dict[SampleId, str] = field(default_factory=dict)  # pending re-issues, and why
 
     def expect(self, step: int, ids: list[SampleId]) -> None:
         """Declare the sample ids a step must produce (from the prompt source, not the devices)."""
@@ -60,9 +72,13 @@ class Ledger:
         if old is not None and old.seed != seed:
             self.problems.append(f"sample {sample_id_str(sample_id)} re-issued with a different seed")
         entry = Entry(sample_id=sample_id, version=version, device=device, num_tokens=num_tokens,
-                      token_sha1=token_sha1, seed=seed)
+                      token_sha1=token_sha1, seed=seed, reissued=self.reissues.pop(sample_id, None))
         self.entries[sample_id] = entry
         return entry
+
+    def note_reissue(self, sample_id: SampleId, reason: str) -> None:
+        """The sample is being generated again (same id and seed) because of `reason`."""
+        self.reissues.setdefault(sample_id, reason)
 
     def scored(self, sample_id: SampleId, reward: float, error: str | None = None) -> None:
         entry = self.entries[sample_id]
@@ -83,10 +99,32 @@ class Ledger:
         if entry is not None and entry.consumed_step is None:
             entry.dropped = reason
 
+    def stop_at(self, step: int, reason: str) -> list[Entry]:
+        """The run stops before consuming step `step`: drop every unconsumed sample of a step
+        >= `step` with `reason`, and waive those steps. Returns the entries dropped now."""
+        dropped = []
+        for sid, e in self.entries.items():
+            if sid[0] >= step and e.consumed_step is None and e.dropped is None:
+                e.dropped = reason
+                dropped.append(e)
+        for s in [s for s in self.expected if s >= step]:
+            self.waived[s] = reason
+        return dropped
+
+    def state_before(self, step: int) -> "Ledger":
+        """A copy holding only steps before `step` (a checkpoint boundary)."""
+        out = Ledger(staleness=self.staleness, problems=list(self.problems))
+        out.entries = {sid: copy.copy(e) for sid, e in self.entries.items() if sid[0] < step}
+        out.expected = {s: set(ids) for s, ids in self.expected.items() if s < step}
+        out.waived = {s: r for s, r in self.waived.items() if s < step}
+        return out
+
     def check(self) -> list[str]:
         """All violations found; an empty list means the ledger proves the run's semantics."""
         out = list(self.problems)
         for step, ids in sorted(self.expected.items()):
+            if step in self.waived:
+                continue
             missing = [sid for sid in ids if sid not in self.entries]
             if missing:
                 out.append(f"step {step}: {len(missing)} expected samples never generated, e.g. "
@@ -122,6 +160,7 @@ def sample_record(entry: Entry) -> dict:
         "dropped": entry.dropped,
         "seed": entry.seed,
         "reward_error": entry.reward_error,
+        "reissued": entry.reissued,
     }
 
 

@@ -27,8 +27,10 @@ SCHEMA: dict[str, tuple[str, ...]] = {
                "consumed_step", "dropped"),
     "span": ("device", "name", "start_s", "end_s"),
     "comm": ("event", "ranks", "critical"),
-    "fault": ("step", "device", "kind", "point"),
+    "fault": ("step", "device", "fault_kind", "point"),  # `kind` names the record type
     "recovery": ("step", "lost_devices", "recovery_s", "num_devices"),
+    "checkpoint": ("step", "path", "cause"),
+    "resume": ("step", "checkpoint", "num_devices"),
     "summary": ("summary",),
 }
 

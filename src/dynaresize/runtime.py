@@ -1,6 +1,6 @@
 """The real runtime: a disaggregated, one-step-off-policy GRPO job whose split follows the workload.
 
-Top loop (`run_job`), one window per step k:
+Top loop (`Run.run`), one window per step k:
 
     rollout(k+1) on the rollout pool  ||  train(k) on the training pool     (overlapped)
     -> weight sync of version k+1 to the rollout pool
@@ -11,6 +11,11 @@ The same `Controller` drives the simulator; both emit the same records (docs/rec
 
 Semantics (DESIGN.md section 3) are kept by `Job` (what to generate and how to score is a
 function of sample ids only) and proven by the `Ledger`, whose verdict is `ledger_ok`.
+
+Faults (docs/faults.md): a window is a list of phases (`stepstate.Window`); a lost device
+interrupts it with `DevicesLost`, `Recovery` re-forms the cluster on the survivors and restores
+the last snapshot, and the window goes on with the phases not done. Checkpoints (periodic,
+final, and on a stop) are written from the same snapshots; `--resume` starts from one.
 """
 
 from __future__ import annotations
@@ -20,44 +25,70 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dynaresize.cluster.cluster import Cluster, ResizeOutcome, RolloutOutcome
+from dynaresize.checkpointing import Checkpointer, ResumePoint, end_partial_line, resume_records
+from dynaresize.cluster import snapshot
+from dynaresize.cluster.cluster import Cluster, ResizeOutcome
+from dynaresize.cluster.watchdog import DevicesLost
 from dynaresize.config import RunConfig, config_to_dict
 from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
+from dynaresize.errors import RewardError
 from dynaresize.job import Job, ScoredStep
 from dynaresize.ledger import Ledger, sample_record
 from dynaresize.policy.base import make_policy
 from dynaresize.records import Recorder
+from dynaresize.recovery import Recovery, stop_run
 from dynaresize.rl import grpo
+from dynaresize.stepstate import StepRollout, Window, rollout_version
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan, StepReport
 
 
 class Run:
-    """One job's driver state: records, ledger, controller and the device cluster."""
+    """One job's driver state: records, ledger, controller, the device cluster and snapshots."""
 
-    def __init__(self, cfg: RunConfig, out_dir: str | Path, *, progress: bool = True) -> None:
-        self.cfg = cfg
-        self.out = Path(out_dir)
+    def __init__(self, cfg: RunConfig, out_dir: str | Path, *, progress: bool = True,
+                 resume: ResumePoint | None = None) -> None:
+        self.job = Job(cfg)  # first: a bad prompt file or reward spec stops here, nothing written
+        self.cfg, self.out, self.progress, self.resume = cfg, Path(out_dir), progress, resume
+        state = resume.driver if resume else {}
+        self.ledger: Ledger = state.get("ledger") or Ledger(staleness=cfg.train.staleness)
+        self.controller, self.assignment = self._controller(state)
+        self.start_step = resume.boundary if resume else 0
+        self.rewards: list[float] = list(state.get("rewards", []))
+        self.resizes: list[dict] = list(state.get("resizes", []))
+        self.stats: dict = dict(state.get("stats") or {"faults_injected": 0, "faults_recovered": 0,
+                                                        "recoveries": [], "elapsed_s": 0.0})
+        self.t0 = time.time() - self.stats["elapsed_s"]  # a resumed run's times go on from the checkpoint
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+        if resume:
+            end_partial_line(self.out / "records.jsonl")
         self.rec = Recorder(self.out / "records.jsonl")
         self.rec.emit("config", config=config_to_dict(cfg))
-        self.t0 = time.time()
-        self.job = Job(cfg)
-        self.ledger = Ledger(staleness=cfg.train.staleness)
+        if resume:
+            resume_records(self, resume)
+        self.cluster = Cluster(cfg, on_event=self._on_event)
+        self.snapshots: dict[int, snapshot.Snapshot] = {}  # version -> trainer state (or weights only)
+        self.rollouts: dict[int, StepRollout] = {}
+        self.pending: ResizeOutcome | None = None
+        self.last_critical_s: float | None = None
+        self.recovery, self.ckpt = Recovery(self), Checkpointer(self)
+
+    def _controller(self, state: dict) -> tuple[Controller, Assignment]:
+        cfg = self.cfg
+        same = state and (state["devices"], state["rollout_devices"]) == (cfg.cluster.devices,
+                                                                          cfg.cluster.rollout_devices)
+        if same:  # resumed on the same devices: the policy goes on where it was
+            return state["controller"], state["controller"].assignment
         bounds = Bounds(num_devices=cfg.cluster.devices, min_rollout=cfg.policy.min_rollout,
                         min_train=cfg.policy.min_train, move_unit=cfg.policy.move_unit)
         policy = make_policy(cfg.policy, bounds, num_steps=cfg.steps)
         # A policy may name its split from step 0 (static:R, a scripted step-0 entry).
-        start = getattr(policy, "start_rollout", None)
-        self.assignment = Assignment.split(cfg.cluster.devices, cfg.cluster.rollout_devices if start is None else start)
-        self.controller = Controller(policy=policy, bounds=bounds, assignment=self.assignment)
-        self.cluster = Cluster(cfg, on_event=self._on_event)
-        self.progress = progress
-        self.rewards: list[float] = []
-        self.resizes: list[dict] = []
-        self.pending: ResizeOutcome | None = None
-        self.last_critical_s: float | None = None
+        start = None if state else getattr(policy, "start_rollout", None)
+        assignment = Assignment.split(cfg.cluster.devices, cfg.cluster.rollout_devices if start is None else start)
+        controller = Controller(policy=policy, bounds=bounds, assignment=assignment)
+        controller._next_resize_id = state.get("next_resize_id", 0)  # resize ids stay unique across a resume
+        return controller, assignment
 
     def rel(self, t: float) -> float:
         return t - self.t0
@@ -68,52 +99,108 @@ class Run:
     # ------------------------------------------------------------------ the top loop
 
     def run(self) -> dict:
-        cfg = self.cfg
-        bar = _progress(cfg.steps, self.progress)
+        bar = _progress(self.cfg.steps, self.progress, self.start_step)
         with self.cluster:
-            self.cluster.start(self.assignment)
-            self._expect(0)
-            rolled = self.cluster.rollout(0, self.job.requests(0), self.assignment.devices(ROLLOUT))
-            self._spans_rollout(rolled)
-            for step in range(cfg.steps):
-                window_t0 = time.time()
-                scored = self.job.score(step, rolled.results, self.ledger)
-                nxt = step + 1 < cfg.steps
-                if nxt:
-                    self._expect(step + 1)
-                overlap = nxt and cfg.train.staleness >= 1
-                future = self.cluster.rollout_async(step + 1, self.job.requests(step + 1)) if overlap else None
-                train_stats = self._train(step, scored)
-                self._finish_pending()
-                # The sync waits for the overlapped rollout: its samples must all come from the
-                # weights it started with (version step), whatever device finishes last.
-                next_rolled = future.result() if overlap else None
-                sync = self.cluster.sync_weights(version=step + 1, step=step)
-                digest = self.cluster.param_digest() if cfg.deterministic else None
-                if nxt and not overlap:
-                    next_rolled = self.cluster.rollout(step + 1, self.job.requests(step + 1),
-                                                       self.assignment.devices(ROLLOUT))
-                report = self._report(step, window_t0, scored, train_stats, sync, next_rolled, digest)
-                self._decide(step, report)
-                if next_rolled is not None:
-                    self._spans_rollout(next_rolled)
-                    rolled = next_rolled
+            self._start()
+            w = Window(self.start_step)
+            while w.step < self.cfg.steps:
+                try:
+                    self._window(w)
+                    self.ckpt.periodic(w.step + 1)
+                except DevicesLost as lost:
+                    self.recovery.recover(w, lost)  # or stops the run with a checkpoint (RunStopped)
+                    continue
+                except RewardError as exc:
+                    stop_run(self, w, f"step {w.step}: {exc}")
                 bar.update(1)
                 bar.set_postfix(split=f"{self.assignment.num_rollout}R:{self.assignment.num_train}T",
-                                reward=f"{scored.mean_reward:.3f}")
+                                reward=f"{w.scored.mean_reward:.3f}")
+                w = Window(w.step + 1)
             self._finish_pending()
+            self.ckpt.save(self.cfg.steps, "final")
             bar.close()
             return self._finish()
+
+    def _start(self) -> None:
+        self.cluster.start(self.assignment)
+        v = self.start_step
+        if self.resume:
+            self.resume.load_into(self.cluster)
+        self.snapshots[v] = snapshot.take(self.cluster, v, self.assignment.devices(TRAIN))
+        rv = rollout_version(v, self.cfg.train.staleness)
+        if rv != v:
+            self.snapshots[rv] = self.resume.rollout_snapshot()
+
+    def _window(self, w: Window) -> None:
+        cfg, step = self.cfg, w.step
+        nxt = step + 1 < cfg.steps
+        overlap = nxt and cfg.train.staleness >= 1
+        self._prune(step)
+        self._expect(step)
+        if w.scored is None:
+            w.scored = self.job.score(step, self._rollout(step).results, self.ledger)
+        if nxt:
+            self._expect(step + 1)
+        future = self._rollout_async(step + 1) if overlap else None
+        try:
+            if w.trained is None:
+                w.trained = self._train(step, w.scored)
+            self._finish_pending()
+        finally:
+            if future is not None:  # the sync needs the overlapped rollout done: its samples
+                self._absorb(step + 1, future.result())  # all come from the weights it started with
+        self.cluster.raise_if_lost(f"step {step}")
+        if w.synced is None:
+            w.synced = self.cluster.sync_weights(version=step + 1, step=step)
+            w.digest = self.cluster.param_digest() if cfg.deterministic else None
+        if nxt and not overlap:
+            self._rollout(step + 1)
+        if not w.reported:
+            report = self._report(w)
+            w.reported = True
+            self._decide(step, report)
 
     # ------------------------------------------------------------------ pieces of a window
 
     def _expect(self, step: int) -> None:
         self.ledger.expect(step, self.job.expected_ids(step))
 
+    def _prune(self, step: int) -> None:
+        """Snapshots of versions step-1 .. step+1 and rollouts of steps >= step are all a window needs."""
+        for v in [v for v in self.snapshots if v < step - 1]:
+            del self.snapshots[v]
+        for s in [s for s in self.rollouts if s < step]:
+            del self.rollouts[s]
+
+    def _buffer(self, step: int) -> StepRollout:
+        if step not in self.rollouts:
+            self.rollouts[step] = StepRollout(step=step, remaining=self.job.requests(step))
+        return self.rollouts[step]
+
+    def _rollout(self, step: int) -> StepRollout:
+        """The step's rollout, complete: sends what is left (nothing when done)."""
+        buf = self._buffer(step)
+        if not buf.done:
+            self._absorb(step, self.cluster.rollout(step, buf.remaining, self.assignment.devices(ROLLOUT)))
+            self.cluster.raise_if_lost(f"rollout {step}")
+        return buf
+
+    def _rollout_async(self, step: int) -> Any:
+        buf = self._buffer(step)
+        return None if buf.done else self.cluster.rollout_async(step, buf.remaining)
+
+    def _absorb(self, step: int, outcome: Any) -> None:
+        for sid in outcome.reissued:
+            self.ledger.note_reissue(sid, f"device lost during rollout {step}: sent again, same id and seed")
+        for d, t0, t1 in self._buffer(step).absorb(outcome):
+            self.rec.emit("span", device=d, name="rollout", start_s=self.rel(t0), end_s=self.rel(t1))
+
     def _train(self, step: int, scored: ScoredStep) -> list[dict]:
         mbs = grpo.micro_batches(scored.samples, self.cfg.train.micro_batch_size)
         total = grpo.total_response_tokens(scored.samples)
         stats = self.cluster.train(step, mbs, total)
+        # Consumed only once the new state is safe: a step redone after a loss counts once.
+        self.snapshots[step + 1] = snapshot.take(self.cluster, step + 1, self.assignment.devices(TRAIN))
         for s in scored.samples:
             self.ledger.consumed(s.sample_id, step)
             self.rec.emit("sample", **sample_record(self.ledger.entries[s.sample_id]))
@@ -128,13 +215,9 @@ class Run:
                               end_s=self.rel(st["t_wait"]), step=step, cat="train")
         return stats
 
-    def _spans_rollout(self, rolled: RolloutOutcome) -> None:
-        for d, t0, t1 in rolled.calls:
-            self.rec.emit("span", device=d, name="rollout", start_s=self.rel(t0), end_s=self.rel(t1))
-
-    def _report(self, step: int, window_t0: float, scored: ScoredStep, train_stats: list[dict],
-                sync: list[dict], rolled: RolloutOutcome | None, digest: str | None = None) -> StepReport:
-        a = self.assignment
+    def _report(self, w: Window) -> StepReport:
+        a, step, scored, train_stats, sync = self.assignment, w.step, w.scored, w.trained, w.synced
+        rolled = self.rollouts.get(step + 1) if step + 1 < self.cfg.steps else None
         t_end = time.time()
         train_t0 = min(s["t0"] for s in train_stats)
         train_s = max(s["t1"] for s in train_stats) - train_t0
@@ -144,7 +227,7 @@ class Run:
                           end_s=self.rel(s["t1"]), step=step)
         rollout_s = (rolled.t1 - rolled.t0) if rolled else 0.0
         busy = sum(s["t1"] - s["t0"] for s in train_stats) + (sum(rolled.busy_s.values()) if rolled else 0.0)
-        window = t_end - window_t0
+        window = t_end - w.t0
         tail_idle = sum(rolled.t1 - rolled.last_end[d] for d in rolled.busy_s) if rolled else 0.0
         longest = max((t1 - t0 for _, t0, t1 in rolled.calls), default=0.0) if rolled else 0.0
         report = StepReport(
@@ -155,11 +238,12 @@ class Run:
             idle_device_s=max(0.0, a.num_devices * window - busy), tail_idle_device_s=tail_idle,
             resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens)
         self.last_critical_s = None
-        self.rec.emit("step", step=step, t_start_s=self.rel(window_t0), t_end_s=self.rel(t_end),
+        self.rec.emit("step", step=step, t_start_s=self.rel(w.t0), t_end_s=self.rel(t_end),
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, num_rollout=a.num_rollout,
                       num_train=a.num_train, idle_device_s=report.idle_device_s, tail_idle_device_s=tail_idle,
                       reward_mean=scored.mean_reward, response_tokens=scored.num_tokens, version=step + 1,
-                      rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=digest)
+                      rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
+                      recoveries=w.recoveries)
         return report
 
     def _decide(self, step: int, report: StepReport) -> None:
@@ -175,7 +259,7 @@ class Run:
                 self.controller.on_resize_done(cmd.resize_id, 0.0, 0.0)  # the run ends: nothing to move
 
     def _resize(self, step: int, plan: ResizePlan) -> None:
-        outcome = self.cluster.resize(plan, version=step + 1, step=step, 
+        outcome = self.cluster.resize(plan, version=step + 1, step=step,
                                       background_moments=self.cfg.reshard.background_moments)
         self.assignment = plan.dst
         critical_s = outcome.critical_end - outcome.t_decide
@@ -189,14 +273,15 @@ class Run:
             return
         o, self.pending = self.pending, None
         self.cluster.finish_background(o)
-        plan = o.plan
+        plan, ids = o.plan, self.cluster.ids
         for op in o.ops:
             self.rec.emit("op", resize_id=plan.resize_id, name=op["name"], device=op["device"],
                           start_s=self.rel(op["t0"]), end_s=self.rel(op["t1"]), bytes=op["bytes"],
                           critical=op["critical"])
         total_end = max(op["t1"] for op in o.ops)
-        rec = self.rec.emit("resize", resize_id=plan.resize_id, step=plan.step, **{"from": plan.src.to_json()},
-                            to=plan.dst.to_json(), moving=list(plan.moving), to_role=plan.to_role,
+        as_ids = lambda a: {k: [ids[r] for r in v] for k, v in a.to_json().items()}  # noqa: E731
+        rec = self.rec.emit("resize", resize_id=plan.resize_id, step=plan.step, **{"from": as_ids(plan.src)},
+                            to=as_ids(plan.dst), moving=[ids[r] for r in plan.moving], to_role=plan.to_role,
                             critical_s=o.critical_end - o.t_decide, total_s=total_end - o.t_decide,
                             t_s=self.rel(o.t_decide), groups_created_critical=o.groups_created_critical,
                             reason=plan.reason)
@@ -204,53 +289,59 @@ class Run:
 
     # ------------------------------------------------------------------ outputs
 
-    def _finish(self) -> dict:
+    def _finish(self, stopped: str | None = None) -> dict:
         from dynaresize.report.timeline import write_timeline
         from dynaresize.report.trace import write_trace
 
         total_s = time.time() - self.t0
-        comm = self.cluster.comm_stats()
-        self._save_hf()
+        comm = [] if stopped else self.cluster.comm_stats()
+        if not stopped:
+            self._save_hf()
         problems = self.ledger.check()
         k = max(1, min(2, len(self.rewards) // 2))
+        consumed = sum(1 for e in self.ledger.entries.values() if e.consumed_step is not None)
+        s = self.stats
         summary = {
             "steps": self.cfg.steps, "devices": self.cfg.cluster.devices, "total_time_s": total_s,
-            "samples_per_s": sum(1 for e in self.ledger.entries.values() if e.consumed_step is not None) / total_s,
-            "resizes": len(self.resizes),
+            "samples_per_s": consumed / total_s, "resizes": len(self.resizes),
             "resizes_to_rollout": sum(1 for r in self.resizes if r["to_role"] == ROLLOUT),
             "resizes_to_train": sum(1 for r in self.resizes if r["to_role"] == TRAIN),
             "reward_first": sum(self.rewards[:k]) / k, "reward_last": sum(self.rewards[-k:]) / k,
             "reward_by_step": self.rewards, "ledger_ok": not problems, "ledger_problems": problems[:20],
-            "world_inits_max": max(c.get("world_inits", 0) for c in comm),
-            "groups_created": comm[0].get("groups_created", 0),
-            "groups_created_critical": comm[0].get("groups_created_critical", 0),
+            "world_inits_max": max((c.get("world_inits", 0) for c in comm), default=0),
+            "groups_created": comm[0].get("groups_created", 0) if comm else 0,
+            "groups_created_critical": comm[0].get("groups_created_critical", 0) if comm else 0,
             "rollout_devices_final": self.assignment.num_rollout, "policy": self.cfg.policy.name,
+            "devices_final": self.assignment.num_devices, "world_generation": self.cluster.generation,
+            "faults_injected": s["faults_injected"] + self.cluster.faults.num_fired,
+            "faults_recovered": s["faults_recovered"], "recoveries": s["recoveries"],
+            "resumed_from_step": self.start_step if self.resume else None, "stopped": stopped,
         }
         self.rec.emit("summary", summary=summary)
         self.rec.close()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        records = [json.loads(line) for line in (self.out / "records.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (self.out / "records.jsonl").read_text().splitlines() if line.strip()]
         write_timeline(records, self.out / "timeline.png", title=f"dynaresize run ({self.cfg.policy.name})")
         write_trace(records, self.out / "trace.json")
         return summary
 
     def _save_hf(self) -> None:
-        import ray
-
         from dynaresize.rl.models import build_model, save_hf
 
-        state = ray.get(self.cluster.trainer().full_weights.remote())
+        rank = self.assignment.devices(TRAIN)[0]
+        state = self.cluster.wait([(rank, self.cluster.trainer().full_weights.remote())], "export")[0]
         model = build_model(self.cfg.model)
         model.load_state_dict(state, strict=True)
         save_hf(model, self.job.tokenizer, self.out / "checkpoint")
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _progress(total: int, enabled: bool, initial: int = 0) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="dynaresize run", unit="step", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc="dynaresize run", unit="step", disable=not enabled,
+                dynamic_ncols=True)
 
 
-def run_job(cfg: RunConfig, out_dir: str | Path, *, progress: bool = True) -> dict:
-    """Run the job of `cfg`, write its run directory, return its summary."""
-    return Run(cfg, out_dir, progress=progress).run()
+def run_job(cfg: RunConfig, out_dir: str | Path, *, progress: bool = True, resume: ResumePoint | None = None) -> dict:
+    """Run the job of `cfg` (or resume the run in `out_dir`), write its run directory, return its summary."""
+    return Run(cfg, out_dir, progress=progress, resume=resume).run()

@@ -23,7 +23,9 @@ from typing import Any, Callable
 
 import ray
 
+from dynaresize.cluster.faults import FaultInjector, parse_faults
 from dynaresize.cluster.placement import actor_options, make_placement_group, release_placement_group
+from dynaresize.cluster.watchdog import DevicesLost, Watchdog
 from dynaresize.cluster.worker import BACKGROUND_TAG, remote_worker_class
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import rank_sets_for_split
@@ -45,6 +47,8 @@ class RolloutOutcome:
     busy_s: dict[int, float]
     last_end: dict[int, float]
     calls: list[tuple[int, float, float]]  # (device, t0, t1) of every engine call
+    remaining: list[list[GenRequest]] = field(default_factory=list)  # groups no device was left for
+    reissued: list[tuple[int, int, int]] = field(default_factory=list)  # sample ids sent again after a loss
 
 
 @dataclass
@@ -71,6 +75,13 @@ class Cluster:
         self.assignment: Assignment | None = None
         self.bounds = Bounds(num_devices=cfg.cluster.devices, min_rollout=cfg.policy.min_rollout,
                              min_train=cfg.policy.min_train, move_unit=cfg.policy.move_unit)
+        # Faults (docs/faults.md): ranks are renumbered 0..M-1 after a loss; `ids[rank]` is the
+        # device id of the first generation, the one records use. Every wait has a deadline.
+        self.ids: list[int] = list(range(self.num_devices))
+        self.generation = 0
+        self.faults = FaultInjector(parse_faults(cfg.faults, self.num_devices))
+        self.watchdog = Watchdog(ping=lambda r: self.workers[r].alive.remote(), collective_s=cfg.timeouts.collective_s,
+                                 call_s=cfg.timeouts.actor_call_s)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -97,10 +108,13 @@ class Cluster:
         self.workers = [actor_cls.options(**actor_options(self._pg, d, use_gpu=use_gpu,
                                                            cpus_per_device=cfg.cluster.cpus_per_device), **env)
                         .remote(d, cfg_dict) for d in range(self.num_devices)]
-        port = ray.get(self.workers[0].free_port.remote())
-        ip = ray.get(self.workers[0].info.remote())["ip"]
+        armed = self.faults.arm(self.worker_of)
+        self.wait([(self.ids.index(a.spec.device), ref) for a, ref in zip(self.faults.faults, armed)], "arm faults")
+        port = self.wait([(0, self.workers[0].free_port.remote())], "start")[0]
+        ip = self.wait([(0, self.workers[0].info.remote())], "start")[0]["ip"]
         init_method = rendezvous.world_init_method(ip, port)
-        inits = ray.get([w.init_world.remote(init_method, self.num_devices) for w in self.workers])
+        inits = self.wait([(d, w.init_world.remote(init_method, self.num_devices)) for d, w in enumerate(self.workers)],
+                          "world init")
         for d, r in enumerate(inits):
             self.on_event("comm", {"event": "world_init", "ranks": list(range(self.num_devices)), "critical": False,
                                    "device": d, "seconds": r["t1"] - r["t0"]})
@@ -109,8 +123,8 @@ class Cluster:
         self._create_groups([tuple(range(self.num_devices))], critical=False, tag=BACKGROUND_TAG)
         self._create_groups(self._split_sets(assignment), critical=False)
         train, rollout = assignment.devices(TRAIN), assignment.devices(ROLLOUT)
-        ray.get([self.workers[d].start_train.remote(train) for d in train]
-                + [self.workers[d].start_rollout.remote(0) for d in rollout])
+        self.wait([(d, self.workers[d].start_train.remote(train)) for d in train]
+                  + [(d, self.workers[d].start_rollout.remote(0)) for d in rollout], "start roles")
         self._prewarm_futures = self._prewarm(assignment)
 
     def stop(self) -> None:
@@ -143,7 +157,8 @@ class Cluster:
         return rank_sets_for_split(a.devices(TRAIN), a.devices(ROLLOUT))
 
     def _create_groups(self, rank_sets, *, critical: bool, tag: str = "") -> int:
-        out = ray.get([w.create_groups.remote(list(rank_sets), critical, tag) for w in self.workers])
+        out = self.wait([(d, w.create_groups.remote(list(rank_sets), critical, tag)) for d, w in enumerate(self.workers)],
+                        "create groups")
         for rs, made in zip(rank_sets, out[0]["flags"]):
             self.on_event("comm", {"event": "group_create" if made else "group_reuse", "ranks": list(rs),
                                    "critical": critical, "tag": tag})
@@ -171,12 +186,30 @@ class Cluster:
         return [w.prewarm_groups.remote(sets) for w in self.workers]
 
     def wait_prewarm(self) -> int:
-        out = ray.get(self._prewarm_futures) if self._prewarm_futures else []
-        self._prewarm_futures = []
+        futures, self._prewarm_futures = self._prewarm_futures, []
+        out = self.wait(list(enumerate(futures)), "pre-warm groups") if futures else []
         return out[0]["created"] if out else 0
 
     def comm_stats(self) -> list[dict]:
-        return ray.get([w.comm_stats.remote() for w in self.workers])
+        return self.wait([(d, w.comm_stats.remote()) for d, w in enumerate(self.workers)], "comm stats")
+
+    # ------------------------------------------------------------------ waiting and faults
+
+    def wait(self, calls: list[tuple[int, Any]], where: str, deadline_s: float | None = None) -> list[Any]:
+        """Results of (rank, ref) calls; `DevicesLost` when a device was lost (cluster/watchdog.py)."""
+        return self.watchdog.wait(calls, where, deadline_s=deadline_s)
+
+    def raise_if_lost(self, where: str) -> None:
+        if self.watchdog.lost:
+            raise DevicesLost(dict(self.watchdog.lost), where)
+
+    def worker_of(self, device_id: int) -> Any:
+        return self.workers[self.ids.index(device_id)]
+
+    def _reach(self, point: str, step: int, ranks) -> None:
+        """The run reached fault point `point` of `step`, carried out by `ranks` (cluster/faults.py)."""
+        alive = lambda dev: dev in self.ids and self.ids.index(dev) not in self.watchdog.lost  # noqa: E731
+        self.faults.reach(point, step, [self.ids[r] for r in ranks], self.worker_of, alive)
 
     # ------------------------------------------------------------------ stages
 
@@ -186,29 +219,48 @@ class Cluster:
 
     def rollout(self, step: int, groups: list[list[GenRequest]], devices: tuple[int, ...]) -> RolloutOutcome:
         """A router with continuous dispatch: each free rollout device takes the next prompt
-        group, so a device whose requests are done gets more work while any is left."""
+        group, so a device whose requests are done gets more work while any is left.
+
+        A lost device's group goes back to the front of the queue (same ids and seeds) and the
+        stage goes on with the other devices; groups left when no device is left come back in
+        `remaining`. Devices in the outcome are device ids (`ids`), not ranks."""
+        self._reach("rollout", step, devices[:len(groups)])
         t0 = time.time()
+        ids = self.ids
         queue = list(groups)
         inflight: dict[Any, int] = {}
-        free = list(devices)
+        sent: dict[Any, list[GenRequest]] = {}
+        free = [d for d in devices if d not in self.watchdog.lost]
         out: list[tuple[int, Any]] = []
-        busy = {d: 0.0 for d in devices}
-        last_end = {d: t0 for d in devices}
+        busy = {ids[d]: 0.0 for d in devices}
+        last_end = {ids[d]: t0 for d in devices}
         calls: list[tuple[int, float, float]] = []
+        reissued: list[tuple[int, int, int]] = []
+        tracker = self.watchdog.tracker(f"rollout {step}")
         while queue or inflight:
             while queue and free:
                 d = free.pop(0)
-                inflight[self.workers[d].generate.remote(queue.pop(0), step)] = d
-            done, _ = ray.wait(list(inflight), num_returns=1)
-            for ref in done:
-                d = inflight.pop(ref)
-                res = ray.get(ref)
-                out.extend((d, r) for r in res["results"])
-                busy[d] += res["t1"] - res["t0"]
-                last_end[d] = max(last_end[d], res["t1"])
-                calls.append((d, res["t0"], res["t1"]))
+                ref = self.workers[d].generate.remote(queue[0], step)
+                inflight[ref], sent[ref] = d, queue.pop(0)
+            if not inflight:
+                break  # groups left and no rollout device left: the caller recovers first
+            done, _ = tracker.poll(inflight, first=True)
+            for ref, d, ok, res in done:
+                sent.pop(ref)
+                if not ok:
+                    raise res  # the engine's own error, not a lost device: nothing to retry
+                out.extend((ids[d], r) for r in res["results"])
+                busy[ids[d]] += res["t1"] - res["t0"]
+                last_end[ids[d]] = max(last_end[ids[d]], res["t1"])
+                calls.append((ids[d], res["t0"], res["t1"]))
                 free.append(d)
-        return RolloutOutcome(results=out, t0=t0, t1=time.time(), busy_s=busy, last_end=last_end, calls=calls)
+            for ref in [r for r in sent if r not in inflight]:  # its device was lost
+                group = sent.pop(ref)
+                reissued += [req.sample_id for req in group]
+                queue.insert(0, group)
+            free = [d for d in free if d not in self.watchdog.lost]
+        return RolloutOutcome(results=out, t0=t0, t1=time.time(), busy_s=busy, last_end=last_end, calls=calls,
+                              remaining=queue, reissued=reissued)
 
     def train(self, step: int, micro_batches: list[list[Any]], total_tokens: int) -> list[dict]:
         """One training step: micro-batch i goes to the (i mod W)-th training device."""
@@ -216,8 +268,10 @@ class Cluster:
         per: dict[int, list[tuple[int, list]]] = {d: [] for d in devices}
         for i, mb in enumerate(micro_batches):
             per[devices[i % len(devices)]].append((i, mb))
+        self._reach("train", step, devices)
         refs = [self.workers[d].train.remote(step, per[d], len(micro_batches), total_tokens) for d in devices]
-        return ray.get(refs)
+        stats = self.wait(list(zip(devices, refs)), f"train {step}")
+        return [{**st, "device": self.ids[d]} for d, st in zip(devices, stats)]
 
     def sync_weights(self, version: int, step: int) -> list[dict]:
         a = self.assignment
@@ -225,7 +279,10 @@ class Cluster:
         if not rollout:
             return []
         ranks = tuple(sorted((train[0], *rollout)))
-        return ray.get([self.workers[d].sync_weights.remote(train[0], ranks, version, step) for d in ranks])
+        self._reach("weight_sync", step, ranks)
+        out = self.wait([(d, self.workers[d].sync_weights.remote(train[0], ranks, version, step)) for d in ranks],
+                        f"weight sync {version}")
+        return [{**r, "device": self.ids[d]} for d, r in zip(ranks, out)]
 
     # ------------------------------------------------------------------ resize
 
@@ -241,7 +298,7 @@ class Cluster:
         def record(name: str, devices, results, critical: bool, key_bytes: str | None = None) -> None:
             for d, r in zip(devices, results):
                 nbytes = int(r.get(key_bytes, 0)) if key_bytes else 0
-                out.ops.append({"name": name, "device": d, "t0": r["t0"], "t1": r["t1"], "bytes": nbytes,
+                out.ops.append({"name": name, "device": self.ids[d], "t0": r["t0"], "t1": r["t1"], "bytes": nbytes,
                                 "critical": critical})
                 if critical:
                     out.critical_end = max(out.critical_end, r["t1"])
@@ -251,19 +308,23 @@ class Cluster:
         out.groups_created_critical = self._create_groups(self._split_sets(plan.dst), critical=True)
         group_op = planner.DROP_FROM_TRAIN_GROUP if plan.to_role == ROLLOUT else planner.JOIN_TRAIN_GROUP
         record(group_op, moving, [{"t0": t0, "t1": time.time()}] * len(moving), True)
-        scalars = ray.get(self.workers[old_train[0]].trainer_scalars.remote())
+        scalars = self.wait([(old_train[0], self.workers[old_train[0]].trainer_scalars.remote())], "resize")[0]
         if plan.to_role == TRAIN:
-            rel = ray.get([self.workers[d].release_engine.remote(step) for d in moving])
+            self._reach("resize.switch", step, moving)
+            rel = self.wait([(d, self.workers[d].release_engine.remote(step)) for d in moving], "resize: release engine")
             record(planner.RELEASE_ENGINE_MEMORY, moving, rel, True)
-        res = ray.get([self.workers[d].reshard_params.remote(old_train, new_train, with_moments=not background_moments,
-                                                              scalars=scalars, step=step) for d in union])
+        self._reach("resize.reshard", step, union)
+        res = self.wait([(d, self.workers[d].reshard_params.remote(old_train, new_train, with_moments=not background_moments,
+                                                                    scalars=scalars, step=step)) for d in union],
+                        "resize: reshard")
         shard_op = planner.MOVE_PARAM_SHARDS if plan.to_role == ROLLOUT else planner.RECEIVE_PARAM_SHARDS
         record(shard_op, union, res, True, "bytes_received")
         if plan.to_role == ROLLOUT:
-            sw = ray.get([self.workers[d].leave_train.remote(version, step) for d in moving])
+            self._reach("resize.switch", step, moving)
+            sw = self.wait([(d, self.workers[d].leave_train.remote(version, step)) for d in moving], "resize: switch")
             record(planner.LOAD_WEIGHTS, moving, sw, True)
         else:
-            g = ray.get([self.workers[d].gather_params.remote() for d in new_train])
+            g = self.wait([(d, self.workers[d].gather_params.remote()) for d in new_train], "resize: gather")
             record(planner.RECEIVE_PARAM_SHARDS + ".gather", new_train, g, True)
         self.assignment = plan.dst
         if background_moments:
@@ -277,25 +338,26 @@ class Cluster:
 
     def finish_background(self, outcome: ResizeOutcome) -> None:
         """Wait for a resize's background ops and add them to its op list."""
-        for name, d, ref in outcome.background:
-            r = ray.get(ref)
+        background, outcome.background = outcome.background, []
+        results = self.wait([(d, ref) for _, d, ref in background], "resize: background ops")
+        for (name, d, _), r in zip(background, results):
             out_bytes = int(r.get("bytes_received", 0))
-            outcome.ops.append({"name": name, "device": d, "t0": r["t0"], "t1": r["t1"], "bytes": out_bytes,
+            outcome.ops.append({"name": name, "device": self.ids[d], "t0": r["t0"], "t1": r["t1"], "bytes": out_bytes,
                                 "critical": False})
-        outcome.background = []
         self._prewarm_futures = []
 
     # ------------------------------------------------------------------ outputs
 
     def param_digest(self) -> str:
         """Digest of the current weights on the first training device (deterministic mode)."""
-        return ray.get(self.trainer().param_digest.remote())
+        return self.wait([(self.assignment.devices(TRAIN)[0], self.trainer().param_digest.remote())], "digest")[0]
 
     def trainer(self, index: int = 0) -> Any:
         return self.workers[self.assignment.devices(TRAIN)[index]]
 
     def save_checkpoint(self, directory: str, extra: dict | None = None) -> None:
-        ray.get([self.workers[d].save_checkpoint.remote(directory, extra) for d in self.assignment.devices(TRAIN)])
+        self.wait([(d, self.workers[d].save_checkpoint.remote(directory, extra)) for d in self.assignment.devices(TRAIN)],
+                  "save checkpoint")
 
 
 def _cuda_available() -> bool:

@@ -63,6 +63,7 @@ class Armed:
     spec: FaultSpec
     fired_t: float | None = None  # when the driver reached the point (the fault fired then)
     attributed: bool = False  # matched to a detected loss
+    recovered: bool = False  # the run went on without it
 
 
 @dataclass

@@ -5,7 +5,8 @@ so no wait can outlast a lost device:
 
 - a worker whose process died surfaces at once as a Ray actor error: lost;
 - a worker that stopped (its process hangs: an injected `stop`, a frozen host) answers no
-  liveness ping. Pings go to the worker's `ctl` thread, which answers even while the worker
+  liveness ping (a worker that never answered yet may still be starting: only the call
+  bound applies to it). Pings go to the worker's `ctl` thread, which answers even while the worker
   computes, so "no answer for `collective_s`" means the whole process is stuck: lost;
 - a worker that answers pings but whose call neither ends nor fails while a peer of the same
   batch already failed is wedged in a collective with the lost peer. Every group has an
@@ -61,9 +62,10 @@ class Tracker:
     pings: dict[int, Any] = field(default_factory=dict)
     first_failure: float | None = None
 
-    def poll(self, inflight: dict[Any, int], timeout_s: float | None = None
+    def poll(self, inflight: dict[Any, int], *, first: bool = False
              ) -> tuple[list[tuple[Any, int, bool, Any]], dict[int, str]]:
-        """Wait up to `timeout_s` (default: the poll interval) on `inflight` (ref -> rank).
+        """Wait up to the poll interval on `inflight` (ref -> rank): for all of them, or with
+        `first` only until one ends (a router that dispatches more work at once).
 
         Returns (done, lost): done = (ref, rank, ok, value or exception) for calls that ended
         (removed from `inflight`); lost = ranks newly declared lost (their refs are removed too).
@@ -72,8 +74,7 @@ class Tracker:
         done_out: list[tuple[Any, int, bool, Any]] = []
         lost: dict[int, str] = {}
         if inflight:
-            ready, _ = ray.wait(list(inflight), num_returns=len(inflight),
-                                timeout=dog.poll_s if timeout_s is None else timeout_s)
+            ready, _ = ray.wait(list(inflight), num_returns=1 if first else len(inflight), timeout=dog.poll_s)
         else:
             ready = []
         now = time.time()
@@ -81,6 +82,7 @@ class Tracker:
             rank = inflight.pop(ref)
             try:
                 done_out.append((ref, rank, True, ray.get(ref)))
+                dog.seen.add(rank)
             except Exception as exc:  # noqa: BLE001 - classified below
                 if is_lost_error(exc):
                     lost[rank] = f"worker died during {self.where} ({type(exc).__name__})"
@@ -102,6 +104,7 @@ class Tracker:
                     try:
                         ray.get(ping)
                         self.alive_at[rank] = now
+                        dog.seen.add(rank)
                     except Exception as exc:  # noqa: BLE001
                         if is_lost_error(exc):
                             lost[rank] = f"worker died during {self.where} ({type(exc).__name__})"
@@ -109,7 +112,7 @@ class Tracker:
             if rank not in self.pings:
                 self.pings[rank] = dog.ping(rank)
             silent = now - self.alive_at[rank]
-            if silent > dog.collective_s:
+            if silent > dog.collective_s and rank in dog.seen:  # a worker still starting may be slow
                 lost[rank] = f"no answer for {silent:.1f}s during {self.where} (stopped)"
             elif self.first_failure is not None and now - self.first_failure > dog.collective_s + dog.margin_s:
                 lost[rank] = (f"still busy {now - self.first_failure:.1f}s after a peer failed during "
@@ -121,6 +124,7 @@ class Tracker:
                 inflight.pop(ref)
         for rank, why in lost.items():
             dog.lost.setdefault(rank, why)
+            dog.lost_at.setdefault(rank, now)
         return done_out, lost
 
 
@@ -135,6 +139,8 @@ class Watchdog:
         self.poll_s = float(poll_s) if poll_s is not None else max(0.05, min(0.5, collective_s / 10))
         self.margin_s = float(margin_s)
         self.lost: dict[int, str] = {}  # shared by every wait: ranks lost and not yet recovered
+        self.lost_at: dict[int, float] = {}  # when each was declared lost
+        self.seen: set[int] = set()  # ranks that answered once (started): silence means stopped
 
     def tracker(self, where: str, deadline_s: float | None = None) -> Tracker:
         return Tracker(self, where, deadline_s=deadline_s)
@@ -165,7 +171,8 @@ class Watchdog:
             raise errors[0]
         return results
 
-    def forget(self, ranks: Sequence[int]) -> None:
-        """After a recovery: the lost ranks are gone and the survivors are renumbered."""
-        for r in ranks:
-            self.lost.pop(r, None)
+    def clear(self, num_ranks: int) -> None:
+        """After a recovery: the lost ranks are gone and the `num_ranks` survivors renumbered."""
+        self.lost.clear()
+        self.lost_at.clear()
+        self.seen = set(range(num_ranks))

@@ -3,6 +3,12 @@
 Config resolution, most specific last: preset -> `--config FILE` -> flags (`--devices`,
 `--steps`, ...) -> repeated `--set section.field=value`. A bad config lists every error and
 exits 2 without a traceback. With no arguments it runs the embedded default preset.
+
+`--resume RUN_DIR` continues the run in RUN_DIR from its last checkpoint: the saved config,
+then `--steps`, `--devices`, `--rollout-devices`, `--inject`, `--set` on top (faults of the
+first run are not carried over). The checkpoint is verified before anything is written; a bad
+one is one line and exit 1. A run that stops cleanly (a reward function failed, too few
+devices left after a loss) leaves a consistent checkpoint and exits 1 with one line.
 """
 
 from __future__ import annotations
@@ -35,15 +41,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="deterministic mode: same tokens and final parameters as a static run")
     p.add_argument("--seed", type=int, help="run seed")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    p.add_argument("--inject", dest="faults", action="append", default=[], metavar="KIND:DEVICE@POINT:STEP",
+                   help="inject a fault: KIND kill|stop, POINT rollout|train|weight_sync|resize.reshard|"
+                   "resize.switch, e.g. kill:1@train:3 (repeatable; docs/faults.md)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint "
+                   "(with --steps K, --devices N, --rollout-devices R to change them)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
 
 
-def resolve_config(args: argparse.Namespace):
-    data = preset(args.preset)
-    if args.config:
+def resolve_config(args: argparse.Namespace, base: dict | None = None):
+    """The run's config; `base` (a resumed run's saved config) replaces preset and file."""
+    data = base if base is not None else preset(args.preset)
+    if args.config and base is None:
         data = merge(data, load_file(args.config))
     flags: dict = {}
+    if base is not None or getattr(args, "faults", None):
+        flags["faults"] = list(getattr(args, "faults", None) or [])
     if args.devices is not None:
         flags.setdefault("cluster", {})["devices"] = args.devices
     if args.rollout_devices is not None:
@@ -67,12 +81,41 @@ def resolve_config(args: argparse.Namespace):
     return build_config(data)
 
 
+def _check_faults(cfg) -> None:
+    from dynaresize.cluster.faults import parse_faults
+
+    parse_faults(cfg.faults, cfg.cluster.devices)  # ConfigError (exit 2) naming each bad one
+
+
 def main(args: argparse.Namespace) -> int:
-    cfg = resolve_config(args)
+    from dynaresize.errors import RewardError, UserError
+    from dynaresize.recovery import RunStopped
+
+    point = None
+    if getattr(args, "resume", None):
+        from dynaresize.checkpointing import load_resume_point
+
+        for flag in ("config", "seed", "deterministic", "schedule", "policy"):
+            if getattr(args, flag, None):
+                raise UserError(f"--{flag} cannot be combined with --resume: the run keeps its own (use --set)")
+        point = load_resume_point(args.resume)  # CheckpointError (exit 1) before anything is written
+        cfg = resolve_config(args, base=point.config)
+        if cfg.steps <= point.boundary:
+            raise UserError(f"--steps {cfg.steps}: the checkpoint of {args.resume} is at step {point.boundary}; "
+                            f"nothing left to run (give a larger --steps)")
+        out = args.resume
+    else:
+        cfg = resolve_config(args)
+        out = args.out
+    _check_faults(cfg)
     from dynaresize.runtime import run_job
 
-    summary = run_job(cfg, args.out, progress=not args.no_progress)
-    print(format_summary(summary, args.out))
+    try:
+        summary = run_job(cfg, out, progress=not args.no_progress, resume=point)
+    except (RunStopped, RewardError) as exc:
+        print(f"dynaresize: run stopped: {exc}", file=sys.stderr)
+        return 1
+    print(format_summary(summary, out))
     return 0 if summary["ledger_ok"] else 1
 
 
@@ -87,6 +130,10 @@ def format_summary(s: dict, out: str) -> str:
         f"communicators     world inits {s['world_inits_max']}, groups created {s['groups_created']} "
         f"(on a resize's critical path: {s['groups_created_critical']})",
     ]
+    if s.get("faults_injected") or s.get("recoveries"):
+        times = ", ".join(f"{r['recovery_s']:.1f}s" for r in s.get("recoveries", []))
+        lines.append(f"faults            injected {s['faults_injected']}, recovered {s['faults_recovered']}  "
+                     f"(recoveries: {times or 'none'}; devices now {s['devices_final']})")
     return "\n".join(lines)
 
 

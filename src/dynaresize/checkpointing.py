@@ -1,0 +1,235 @@
+"""Run checkpoints (periodic, final, on a stop) and resuming a run from its last one.
+
+Layout of `RUN_DIR/checkpoint/` (beside the final policy in HF format, `config.json` and
+`model.safetensors`, which every finished run rewrites):
+
+    latest.json                  {"format", "step", "dir"}: the last complete checkpoint
+    step-SSSSSS-NONCE/
+      trainer/                   trainer state of version S (roles/checkpoint.py format:
+                                 shards, sha256 each, manifest written last; loads at any W)
+      rollout/                   parameters of version rollout_version(S): the weights that
+                                 generate the samples of step S (one step off: S-1)
+      driver.pkl                 driver state at the boundary: ledger of steps < S, controller
+                                 and policy, rewards, resizes, fault counters, records offset
+      driver.json                written last in the directory: digests of the three above
+
+A checkpoint "of step S" is the boundary before step S: S optimizer steps applied, the
+samples of steps < S consumed, none of step S generated (they are regenerated on resume with
+the same ids, seeds and weights, so a resumed run equals an uninterrupted one).
+
+Crash safety: a checkpoint is written into a new directory (a fresh name), complete with
+`driver.json`, before `latest.json` is replaced (tmp + rename) to point at it; older
+directories are deleted only after. A crash at any moment leaves `latest.json` naming a
+complete checkpoint (or no `latest.json` at all, before the first one).
+
+Resume validates everything (`load_resume_point`: pointer, digests, manifests, every shard's
+size and sha256) before the run directory is touched; any problem is one `CheckpointError` line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynaresize.config import config_to_dict
+from dynaresize.errors import CheckpointError
+from dynaresize.stepstate import rollout_version
+
+FORMAT = "dynaresize.run-checkpoint.v1"
+LATEST = "latest.json"
+
+
+def _sha256(path: Path) -> str:
+    from dynaresize.roles.checkpoint import file_sha256
+
+    return file_sha256(path)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.root = run.out / "checkpoint"
+
+    def periodic(self, boundary: int) -> None:
+        every = self.run.cfg.checkpoint.every_steps
+        if every and boundary % every == 0 and boundary < self.run.cfg.steps:
+            self.save(boundary, "periodic")
+
+    def save(self, boundary: int, kind: str, *, finish_pending: bool = True) -> Path:
+        from dynaresize.cluster.snapshot import write_checkpoint
+
+        run = self.run
+        if finish_pending:
+            run._finish_pending()  # its resize record belongs to the state being saved
+        t0 = time.time()
+        rv = rollout_version(boundary, run.cfg.train.staleness)
+        name = f"step-{boundary:06d}-{uuid.uuid4().hex[:8]}"
+        out = self.root / name
+        out.mkdir(parents=True)
+        write_checkpoint(run.snapshots[boundary], out / "trainer")
+        write_checkpoint(run.snapshots[rv], out / "rollout", params_only=True)
+        offset = run.rec.path.stat().st_size  # the recorder flushes every line
+        state = {
+            "format": FORMAT, "boundary": boundary, "rollout_version": rv, "ledger": run.ledger.state_before(boundary),
+            "controller": run.controller, "next_resize_id": run.controller._next_resize_id,
+            "rewards": run.rewards[:boundary], "resizes": run.resizes, "config": config_to_dict(run.cfg),
+            "devices": run.cfg.cluster.devices, "rollout_devices": run.cfg.cluster.rollout_devices,
+            "stats": {**run.stats, "faults_injected": run.stats["faults_injected"] + run.cluster.faults.num_fired,
+                      "elapsed_s": t0 - run.t0},
+            "records_offset": offset,
+        }
+        _write_atomic(out / "driver.pkl", pickle.dumps(state))
+        digests = {"driver.pkl": _sha256(out / "driver.pkl"),
+                   "trainer/manifest.json": _sha256(out / "trainer" / "manifest.json"),
+                   "rollout/manifest.json": _sha256(out / "rollout" / "manifest.json")}
+        _write_atomic(out / "driver.json", json.dumps({"format": FORMAT, "step": boundary, "rollout_version": rv,
+                                                       "records_offset": offset, "kind": kind,
+                                                       "sha256": digests}, indent=1).encode())
+        _write_atomic(self.root / LATEST, json.dumps({"format": FORMAT, "step": boundary, "dir": name}).encode())
+        for old in self.root.iterdir():  # earlier checkpoints and crashed attempts, after the pointer moved
+            if old.is_dir() and old.name.startswith("step-") and old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+        run.rec.emit("checkpoint", step=boundary, path=str(out), cause=kind, seconds=time.time() - t0,
+                     records_offset=offset, rollout_version=rv)
+        return out
+
+
+@dataclass
+class ResumePoint:
+    run_dir: Path
+    step_dir: Path
+    boundary: int
+    rollout_version: int
+    driver: dict
+
+    @property
+    def config(self) -> dict:
+        return self.driver["config"]
+
+    def load_into(self, cluster: Any) -> None:
+        """Trainers from the trainer checkpoint (resharded to the cluster's split), rollout devices
+        from the rollout weights."""
+        from dynaresize.types import ROLLOUT, TRAIN
+
+        a = cluster.assignment
+        train, roll = a.devices(TRAIN), a.devices(ROLLOUT)
+        calls = [(d, cluster.workers[d].load_checkpoint.remote(str(self.step_dir / "trainer"), train)) for d in train]
+        calls += [(d, cluster.workers[d].load_rollout_checkpoint.remote(str(self.step_dir / "rollout"),
+                                                                      self.rollout_version)) for d in roll]
+        cluster.wait(calls, "resume: load checkpoint")
+
+    def rollout_snapshot(self) -> Any:
+        """The rollout weights as a parameters-only snapshot (for a recovery before the first sync)."""
+        from dynaresize.cluster.snapshot import params_only
+        from dynaresize.roles.checkpoint import CheckpointReader
+
+        reader = CheckpointReader(self.step_dir / "rollout")
+        m = reader.manifest
+        meta = {"scalars": m["scalars"], "params": m["params"], "settings": m.get("settings", {})}
+        return params_only(self.rollout_version, reader.read("param", 0, m["numel"]).numpy(), meta)
+
+
+def _verify_dir(directory: Path) -> dict:
+    from dynaresize.roles.checkpoint import read_manifest
+
+    manifest = read_manifest(directory)
+    for info in manifest["shards"]:
+        path = directory / info["file"]
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory}: shard {info['file']} missing (partial checkpoint)")
+        if path.stat().st_size != info["bytes"]:
+            raise CheckpointError(f"checkpoint {directory}: shard {info['file']} has {path.stat().st_size} bytes, "
+                                  f"manifest says {info['bytes']} (truncated)")
+        if _sha256(path) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {directory}: shard {info['file']} sha256 mismatch (corrupt)")
+    return manifest
+
+
+def load_resume_point(run_dir: str | Path) -> ResumePoint:
+    """The last complete checkpoint of `run_dir`, fully verified; CheckpointError otherwise."""
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoint"
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run directory {run_dir}: not found")
+    latest = root / LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"run directory {run_dir}: no checkpoint to resume from ({latest} missing)")
+    try:
+        pointer = json.loads(latest.read_text())
+        step_dir = root / pointer["dir"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"checkpoint pointer {latest}: unreadable") from None
+    marker = step_dir / "driver.json"
+    if not marker.is_file():
+        raise CheckpointError(f"checkpoint {step_dir}: driver.json missing (partial checkpoint)")
+    try:
+        info = json.loads(marker.read_text())
+        digests = info["sha256"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"checkpoint {step_dir}: driver.json unreadable") from None
+    for rel, digest in digests.items():
+        path = step_dir / rel
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {step_dir}: {rel} missing (partial checkpoint)")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"checkpoint {step_dir}: {rel} sha256 mismatch (corrupt)")
+    for sub in ("trainer", "rollout"):
+        _verify_dir(step_dir / sub)
+    try:
+        driver = pickle.loads((step_dir / "driver.pkl").read_bytes())
+    except Exception as exc:  # noqa: BLE001 - any unpickling problem is a bad checkpoint
+        raise CheckpointError(f"checkpoint {step_dir}: driver.pkl unreadable ({type(exc).__name__})") from None
+    if driver.get("format") != FORMAT or driver.get("boundary") != info.get("step"):
+        raise CheckpointError(f"checkpoint {step_dir}: driver state does not match driver.json")
+    return ResumePoint(run_dir=run_dir, step_dir=step_dir, boundary=int(driver["boundary"]),
+                       rollout_version=int(driver["rollout_version"]), driver=driver)
+
+
+def end_partial_line(path: Path) -> None:
+    """A run that died mid-write may leave a last line without its newline: end it, so the
+    records appended next start on a line of their own (the cut line stays, unparseable)."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb+") as fh:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                fh.write(b"\n")
+
+
+def resume_records(run: Any, point: ResumePoint) -> None:
+    """Append the `resume` record; every sample the run consumed after the checkpoint (a run that
+    went on, then crashed) is rolled back: a `sample` record says so (the last record of a
+    sample id is its state)."""
+    offset = int(point.driver["records_offset"])
+    path = run.rec.path
+    tail = path.read_bytes()[offset:] if path.is_file() else b""
+    rolled_back = []
+    for line in tail.decode("utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if rec.get("kind") == "sample" and rec.get("consumed_step") is not None:
+            rolled_back.append(rec)
+    why = f"rolled back: the run resumed from the checkpoint of step {point.boundary}"
+    for rec in rolled_back:
+        fields = {k: v for k, v in rec.items() if k != "kind"}
+        run.rec.emit("sample", **{**fields, "consumed_step": None, "dropped": why})
+    run.rec.emit("resume", step=point.boundary, checkpoint=str(point.step_dir), num_devices=run.cfg.cluster.devices,
+                 rollout_devices=run.assignment.num_rollout, records_offset=offset, rolled_back_samples=len(rolled_back))

@@ -1,0 +1,135 @@
+"""Recovery from lost devices without a restart, and the clean stop when there is none.
+
+`Recovery.recover(window, lost)` (docs/faults.md has the why of each step):
+1. settle the survivors (no one may still run anything of the old world; a survivor still
+   busy past the groups' timeout is wedged and counts as lost, with that reason);
+2. kill the lost workers (`ray.kill`), record a `fault` record per lost device, attributing
+   injected faults;
+3. the controller rebuilds the assignment on the survivors within the bounds
+   (`on_devices_lost`); if no legal split is left, `stop_run` ends the run cleanly;
+4. the survivors join a new world generation (fresh port and store), their pools cleared,
+   and the groups of the new split are made;
+5. trainer state comes back from the latest snapshot (the state after the last step whose
+   samples the ledger counts as consumed); every rollout device gets the weights of the
+   version its next samples need; the window then redoes only what is not done, re-issuing
+   unfinished samples with their ids and seeds;
+6. a `recovery` record says what was lost and how long it took (from detection to restored).
+
+`stop_run(run, window, reason)`: drop (with the reason) every sample generated but not
+consumed, write a checkpoint of the last consistent point, write the summary, raise RunStopped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NoReturn
+
+from dynaresize.cluster import regroup, snapshot
+from dynaresize.cluster.watchdog import DevicesLost
+from dynaresize.errors import DynaresizeError, ResizeRefused
+from dynaresize.ledger import sample_record, token_sha1
+from dynaresize.rl.seeds import sample_seed
+from dynaresize.stepstate import Window, rollout_version
+
+MAX_ATTEMPTS = 3  # a further loss during recovery starts it again on the fewer survivors
+
+
+class RunStopped(DynaresizeError):
+    """The run stopped cleanly before its last step (a consistent checkpoint was written). Exit 1."""
+
+    exit_code = 1
+
+
+class Recovery:
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def recover(self, w: Window, exc: DevicesLost) -> None:
+        run, cluster = self.run, self.run.cluster
+        t_start = time.time()
+        lost = {**cluster.watchdog.lost, **exc.lost}
+        t_detect = min([cluster.watchdog.lost_at.get(r, t_start) for r in lost] or [t_start])
+        where = exc.where
+        lost_ids: list[int] = []
+        wedged_ids: list[int] = []
+        for attempt in range(MAX_ATTEMPTS):
+            survivors = [r for r in range(cluster.num_devices) if r not in lost]
+            wedged = regroup.settle(cluster, survivors)
+            wedged_ids += [cluster.ids[r] for r in wedged]
+            lost.update(wedged)
+            survivors = [r for r in survivors if r not in wedged]
+            regroup.kill(cluster, sorted(lost))
+            self._fault_records(w.step, lost, where)
+            lost_ids += [cluster.ids[r] for r in sorted(lost)]
+            try:
+                assignment = run.controller.on_devices_lost(tuple(sorted(lost)))
+            except ResizeRefused as why:
+                stop_run(run, w, f"cannot recover from the loss of devices {sorted(lost_ids)}: {why}")
+            t_world = time.time()
+            try:
+                regroup.new_generation(cluster, survivors, assignment)
+                run.assignment = assignment
+                t_restore = time.time()
+                train = run.snapshots[max(v for v, s in run.snapshots.items() if s.moments is not None)]
+                rv = self._engine_version(w, train.version)
+                snapshot.restore(cluster, train, run.snapshots[rv])
+                break
+            except DevicesLost as again:  # ranks of the new generation
+                lost, where = dict(again.lost), f"recovery ({again.where})"
+        else:
+            stop_run(run, w, f"devices kept failing during recovery: lost {sorted(lost_ids)}")
+        run.pending, run.last_critical_s = None, None
+        w.after_recovery()
+        recovered = [a for a in cluster.faults.faults if a.attributed and not a.recovered]
+        for a in recovered:
+            a.recovered = True
+        run.stats["faults_recovered"] += len(recovered)
+        t_end = time.time()
+        rec = run.rec.emit("recovery", step=w.step, lost_devices=sorted(lost_ids), recovery_s=t_end - t_detect,
+                           num_devices=cluster.num_devices, wedged_devices=sorted(wedged_ids),
+                           detect_to_start_s=t_start - t_detect, settle_s=t_world - t_start,
+                           world_s=t_restore - t_world, restore_s=t_end - t_restore, generation=cluster.generation,
+                           trainer_version=train.version, rollout_version=rv, where=where,
+                           assignment={"rollout": [cluster.ids[r] for r in assignment.devices("rollout")],
+                                       "train": [cluster.ids[r] for r in assignment.devices("train")]})
+        run.stats["recoveries"].append({k: rec[k] for k in ("step", "lost_devices", "recovery_s", "num_devices")})
+
+    def _engine_version(self, w: Window, latest: int) -> int:
+        """The version the rollout devices need: that of the next rollout still to finish."""
+        cfg = self.run.cfg
+        s = w.step if w.scored is None else w.step + 1
+        return min(rollout_version(s, cfg.train.staleness), latest)
+
+    def _fault_records(self, step: int, lost: dict[int, str], where: str) -> None:
+        run, cluster = self.run, self.run.cluster
+        for r, why in sorted(lost.items()):
+            dev = cluster.ids[r]
+            armed = cluster.faults.attribute(dev)
+            at = cluster.watchdog.lost_at.get(r)
+            fired = armed.fired_t if armed else None
+            run.rec.emit("fault", step=step, device=dev, fault_kind=armed.spec.kind if armed else "lost",
+                         point=armed.spec.point if armed else where, injected=armed is not None,
+                         fault_step=armed.spec.step if armed else None, reason=why,
+                         detect_s=(at - fired) if at and fired else None)
+
+
+def stop_run(run: Any, w: Window, reason: str) -> NoReturn:
+    """End the run at its last consistent point: checkpoint, dropped samples, summary; raise."""
+    boundary = max(v for v, s in run.snapshots.items() if s.moments is not None)
+    why = f"run stopped at step {boundary}: {reason}"
+    dropped = run.ledger.stop_at(boundary, why)
+    for step, buf in sorted(run.rollouts.items()):  # generated ahead, never scored
+        for device, res in buf.results:
+            if step >= boundary and res.sample_id not in run.ledger.entries:
+                run.ledger.generated(sample_id=res.sample_id, version=res.version, device=device,
+                                     num_tokens=len(res.response_ids), token_sha1=token_sha1(res.response_ids),
+                                     seed=sample_seed(run.cfg.seed, *res.sample_id))
+                run.ledger.dropped(res.sample_id, why)
+                dropped.append(run.ledger.entries[res.sample_id])
+    for entry in sorted(dropped, key=lambda e: e.sample_id):
+        run.rec.emit("sample", **sample_record(entry))
+    run.pending = None  # its background ops may involve lost devices: the checkpoint needs none
+    path = run.ckpt.save(boundary, "stop", finish_pending=False)
+    run._finish(stopped=why)
+    raise RunStopped(f"{why} (consistent checkpoint of step {boundary} in {path}; "
+                     f"continue with `dynaresize run --resume {run.out}`)")
