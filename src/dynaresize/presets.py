@@ -14,14 +14,16 @@ from dynaresize.errors import ConfigError
 
 def default() -> dict:
     return {
-        "steps": 24,
+        "steps": 30,
         "seed": 0,
-        "cluster": {"devices": 4, "rollout_devices": 2},
-        "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 64,
+        "cluster": {"devices": 4, "rollout_devices": 3},
+        "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 128,
                     "synthetic_lengths": True, "length_workload": "demo"},
         # Resizes on this CPU demo cost well under a second (measured); the default prior
         # (10 s, a GPU cluster's warm join) would veto every move before the first is measured.
-        "policy": {"name": "hysteresis", "move_cost_prior_s": 1.0},
+        # A 24-step run: the gain horizon is a few steps, not the 20 of a long GPU job.
+        "policy": {"name": "hysteresis", "move_cost_prior_s": 0.5, "horizon_steps": 6},
+        "train": {"lr": 5e-3},
     }
 
 

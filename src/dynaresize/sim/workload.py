@@ -107,8 +107,8 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     # No runaway here: a demo's batch is small, and a random cap-length response would hide the U.
     # The U is deep (8x) so that a 4-device CPU run sees rollout-bound, then train-bound, then
     # rollout-bound windows: a demo of the mechanism, not a calibrated workload.
-    "demo": WorkloadSpec(name="demo", mu0=math.log(13000.0), sigma=0.4, u_rise=math.log(12.0),
-                         u_power=2.0, u_end=0.0, runaway0=0.0, jitter=0.02),
+    "demo": WorkloadSpec(name="demo", mu0=math.log(6000.0), sigma=0.4, u_rise=math.log(30.0),
+                         u_power=2.0, u_end=math.log(2.5), runaway0=0.0, jitter=0.02),
 }
 
 
