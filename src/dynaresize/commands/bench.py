@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     r = actions.add_parser("resize", help="measured critical and total resize seconds on real workers")
     r.add_argument("--devices", type=int, default=4, help="workers (devices) to start")
-    r.add_argument("--params", type=float, default=1e6, help="model parameters of the resharded state")
+    r.add_argument("--params", type=float, default=4e7, help="model parameters of the resharded state (default ~40M)")
     r.add_argument("--repeats", type=int, default=3, help="resizes per direction")
     r.add_argument("--out", metavar="DIR", default=None, help="output directory")
     r.set_defaults(func=main)
