@@ -161,6 +161,7 @@ class PolicyConfig:
 class ReshardConfig:
     staging_bytes: int = 4 << 20  # bound on the staging buffer a reshard may hold per rank
     background_moments: bool = True  # move optimizer moments off the critical path (overlapped)
+    local_param_shards: bool = True  # cut parameter shards from the local fp32 weights (no bytes move)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.staging_bytes >= 64, "staging_bytes", self.staging_bytes, "must be >= 64")

@@ -295,11 +295,9 @@ class Cluster:
         moving = plan.moving
         self.wait_prewarm()  # pre-warm runs in the background; never two group creations at once
 
-        def record(name: str, devices, results, critical: bool, key_bytes: str | None = None) -> None:
+        def record(name: str, devices, results, critical: bool) -> None:
             for d, r in zip(devices, results):
-                nbytes = int(r.get(key_bytes, 0)) if key_bytes else 0
-                out.ops.append({"name": name, "device": self.ids[d], "t0": r["t0"], "t1": r["t1"], "bytes": nbytes,
-                                "critical": critical})
+                out.ops.append(self._op(name, d, r, critical))
                 if critical:
                     out.critical_end = max(out.critical_end, r["t1"])
 
@@ -314,16 +312,19 @@ class Cluster:
             rel = self.wait([(d, self.workers[d].release_engine.remote(step)) for d in moving], "resize: release engine")
             record(planner.RELEASE_ENGINE_MEMORY, moving, rel, True)
         self._reach("resize.reshard", step, union)
+        # Every new trainer's model holds this version in fp32 (the sync ran before the resize):
+        # parameter shards are cut locally unless configured to move through staging.
+        local = version if self.cfg.reshard.local_param_shards else None
         res = self.wait([(d, self.workers[d].reshard_params.remote(old_train, new_train, with_moments=not background_moments,
-                                                                    scalars=scalars, step=step)) for d in union],
-                        "resize: reshard")
+                                                                    scalars=scalars, step=step, version=local))
+                         for d in union], "resize: reshard")
         shard_op = planner.MOVE_PARAM_SHARDS if plan.to_role == ROLLOUT else planner.RECEIVE_PARAM_SHARDS
-        record(shard_op, union, res, True, "bytes_received")
+        record(shard_op, union, res, True)
         if plan.to_role == ROLLOUT:
             self._reach("resize.switch", step, moving)
             sw = self.wait([(d, self.workers[d].leave_train.remote(version, step)) for d in moving], "resize: switch")
             record(planner.LOAD_WEIGHTS, moving, sw, True)
-        else:
+        elif local is None:  # joining devices rebuild their compute weights from the moved shards
             g = self.wait([(d, self.workers[d].gather_params.remote()) for d in new_train], "resize: gather")
             record(planner.RECEIVE_PARAM_SHARDS + ".gather", new_train, g, True)
         self.assignment = plan.dst
@@ -341,10 +342,14 @@ class Cluster:
         background, outcome.background = outcome.background, []
         results = self.wait([(d, ref) for _, d, ref in background], "resize: background ops")
         for (name, d, _), r in zip(background, results):
-            out_bytes = int(r.get("bytes_received", 0))
-            outcome.ops.append({"name": name, "device": self.ids[d], "t0": r["t0"], "t1": r["t1"], "bytes": out_bytes,
-                                "critical": False})
+            outcome.ops.append(self._op(name, d, r, False))
         self._prewarm_futures = []
+
+    def _op(self, name: str, d: int, r: dict, critical: bool) -> dict:
+        """One op's entry: times, bytes received and the staging it held (reshard ops)."""
+        return {"name": name, "device": self.ids[d], "t0": r["t0"], "t1": r["t1"],
+                "bytes": int(r.get("bytes_received", 0)), "critical": critical,
+                **{k: r[k] for k in ("peak_staging_bytes", "bytes_sent", "num_messages") if k in r}}
 
     # ------------------------------------------------------------------ outputs
 

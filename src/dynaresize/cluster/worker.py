@@ -33,7 +33,7 @@ from dynaresize.cluster.worker_recovery import RecoveryMixin
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import CommPool
 from dynaresize.config import RunConfig, build_config
-from dynaresize.reshard.execute import reshard_flat
+from dynaresize.reshard.execute import ReshardStats, reshard_flat
 from dynaresize.rl import grpo
 from dynaresize.rl.models import build_model
 from dynaresize.roles.base import GenRequest, build_rollout_engine
@@ -72,6 +72,7 @@ class DeviceWorker(RecoveryMixin):
         self._moments_error: BaseException | None = None
         self._faults: list[tuple[str, str, int]] = []  # (kind, point, step) armed by the driver
         self._handover: torch.nn.Module | None = None  # engine model kept for a joining trainer
+        self._handover_version: int | None = None  # the weights version that model holds
 
     # ------------------------------------------------------------------ world and groups
 
@@ -188,17 +189,24 @@ class DeviceWorker(RecoveryMixin):
     # ------------------------------------------------------------------ resize ops
 
     def reshard_params(self, old_ranks: Sequence[int], new_ranks: Sequence[int], *, with_moments: bool,
-                       scalars: dict | None, step: int) -> dict:
+                       scalars: dict | None, step: int, version: int | None = None) -> dict:
         """Move parameter shards (and the moments too unless they go in the background).
 
         Called on every device in old_ranks | new_ranks. A joining device builds its trainer
-        here (its compute params come from `gather_params`); a leaving device keeps its old
-        moment shards until `reshard_moments` has sent them.
+        here around the model its engine handed over; a leaving device keeps its old moment
+        shards until `reshard_moments` has sent them.
+
+        With `version` given, every new trainer's model already holds that version's weights in
+        fp32 (trainers after their step; a joining device got them by the weight sync), so each
+        new parameter shard is cut from the local model and no parameter bytes move at all.
+        Without it, parameter shards move through the staging buffer and a joining device
+        rebuilds its compute weights by `gather_params`.
         """
         self._maybe_fault("resize.reshard", step)
         t0 = time.time()
         old_ranks, new_ranks = tuple(sorted(old_ranks)), tuple(sorted(new_ranks))
-        kinds = PARAM_KINDS + (MOMENT_KINDS if with_moments else ())
+        local = version is not None
+        kinds = (() if local else PARAM_KINDS) + (MOMENT_KINDS if with_moments else ())
         old = None
         if self.trainer is not None:
             live = self.trainer.state_shards()
@@ -207,15 +215,26 @@ class DeviceWorker(RecoveryMixin):
                 self._old_moments = {k: live[k] for k in MOMENT_KINDS}
         if self._numel is None:
             self._numel = sum(int(torch.Size(s).numel()) for _, s in self._model_specs())
-        new, stats = reshard_flat(old, numel=self._numel, old_ranks=old_ranks, new_ranks=new_ranks,
-                                  rank=self.device, staging_bytes=self.cfg.reshard.staging_bytes,
-                                  kinds=kinds, dtypes={k: torch.float32 for k in kinds})
+        new, stats = {}, ReshardStats(bytes_sent=0, bytes_received=0, peak_staging_bytes=0, seconds=0.0,
+                                      num_messages=0)
+        if kinds:
+            new, stats = reshard_flat(old, numel=self._numel, old_ranks=old_ranks, new_ranks=new_ranks,
+                                      rank=self.device, staging_bytes=self.cfg.reshard.staging_bytes,
+                                      kinds=kinds, dtypes={k: torch.float32 for k in kinds})
         if self.device in new_ranks:
-            if self.trainer is None:  # joining: a model to compute with, params come by gather
+            if self.trainer is None:  # joining: compute with the model the engine handed over
+                held = self._handover_version
                 model, self._handover = self._handover or build_model(self.cfg.model), None
                 self.trainer = self._new_trainer(model.train(), new_ranks)
                 self.trainer.load_scalars(scalars)
+            else:
+                held = self.trainer.step
+            if local and held != version:
+                raise RuntimeError(f"device {self.device}: its model holds version {held}, not {version}; "
+                                   "parameter shards cannot be cut locally")
             self.trainer.load_state_shards(new, new_ranks)
+            if local:
+                self.trainer.load_params_from_model()
             self.train_ranks, self.role = new_ranks, "train"
         if not with_moments and (self.device in old_ranks or self.device in new_ranks):
             self._moments_done.clear()
@@ -265,6 +284,7 @@ class DeviceWorker(RecoveryMixin):
         self._maybe_fault("resize.switch", step)
         t0 = time.time()
         if self.engine is not None and hasattr(self.engine, "hand_over_model"):
+            self._handover_version = self.engine.version
             self._handover = self.engine.hand_over_model()  # the trainer computes with it
         elif self.engine is not None:
             self.engine.release()

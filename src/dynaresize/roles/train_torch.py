@@ -152,6 +152,13 @@ class ShardedTrainer:
             self._shards[key] = t.to(self.device, torch.float32).contiguous()
             self._pending.discard(key)
 
+    def load_params_from_model(self) -> None:
+        """Cut this rank's parameter shard from the model's compute parameters: valid when they
+        equal the fp32 master (fp32 compute weights of the current version), as after a step's
+        all-gather or a weight sync. Moves no bytes between ranks."""
+        lo, hi = self.shard_range()
+        self.load_state_shards({"param": self._read_model_range(lo, hi)})
+
     def scalars(self) -> dict:
         return {"step": self.step, "lr_step": self.lr_step, "seed": self.seed,
                 "rng_state": bytes(self.generator.get_state().tolist())}
