@@ -16,12 +16,7 @@ from dynaresize.rl.models import build_model
 CFG = ModelConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

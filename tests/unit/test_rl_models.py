@@ -14,12 +14,7 @@ from dynaresize.rl.models import (BOS, COMMON_WORDS, CONSONANTS, EOS, PAD, build
 SMALL = ModelConfig(vocab_size=1000, hidden_size=32, num_layers=2, num_heads=2, init_seed=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_tokenizer_size_specials_and_roundtrip():

@@ -19,12 +19,7 @@ from dynaresize.roles.base import GenRequest
 from dynaresize.roles.rollout_hf import HFRolloutEngine
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_toy_reward_counts_words_of_the_named_letter():

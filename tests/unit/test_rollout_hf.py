@@ -19,12 +19,7 @@ CFG = ModelConfig()
 TINY_VOCAB = ModelConfig(vocab_size=8, hidden_size=32, num_layers=1, num_heads=2)  # EOS (id 1) is likely
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
