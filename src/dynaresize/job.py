@@ -40,7 +40,7 @@ class Job:
         task = tasks.load_task(cfg.task)
         self.prompts = task.prompts
         self.reward_fn: Callable[..., Any] = task.reward_fn
-        self._prompt_ids: dict[int, list[int]] = {}
+        self._prompt_ids: dict[str, list[int]] = {}  # by prompt text: positions hold other prompts each step
 
     def step_prompts(self, step: int) -> list[tuple[int, dict]]:
         return data.prompts_for_step(self.prompts, step, self.cfg.rollout.prompts_per_step, self.cfg.seed)
@@ -56,7 +56,7 @@ class Job:
                                      rc.max_new_tokens, self.cfg.seed, num_steps=self.cfg.steps)
         groups = []
         for p, (prompt_index, record) in enumerate(self.step_prompts(step)):
-            ids = self._encode(prompt_index, record)
+            ids = self._encode(record)
             groups.append([
                 GenRequest(sample_id=(step, prompt_index, s), prompt_ids=ids, max_new_tokens=rc.max_new_tokens,
                            seed=sample_seed(self.cfg.seed, step, prompt_index, s),
@@ -67,10 +67,11 @@ class Job:
     def expected_ids(self, step: int) -> list[tuple[int, int, int]]:
         return [(step, p, s) for p, _ in self.step_prompts(step) for s in range(self.cfg.rollout.samples_per_prompt)]
 
-    def _encode(self, prompt_index: int, record: dict) -> list[int]:
-        if prompt_index not in self._prompt_ids:
-            self._prompt_ids[prompt_index] = encode_prompt(self.tokenizer, record["prompt"])
-        return self._prompt_ids[prompt_index]
+    def _encode(self, record: dict) -> list[int]:
+        text = record["prompt"]
+        if text not in self._prompt_ids:
+            self._prompt_ids[text] = encode_prompt(self.tokenizer, text)
+        return self._prompt_ids[text]
 
     def score(self, step: int, results: list[tuple[int, GenResult]], ledger: Ledger) -> ScoredStep:
         """Rewards, ledger entries and group-relative advantages for the samples of `step`."""
@@ -90,7 +91,7 @@ class Job:
             ledger.scored(sid, value, error)
             rewards_out.append(value)
         advantages = grpo.group_advantages(rewards_out, self.cfg.rollout.samples_per_prompt)
-        samples = [grpo.TrainSample(sample_id=sid, prompt_ids=self._prompt_ids[sid[1]],
+        samples = [grpo.TrainSample(sample_id=sid, prompt_ids=self._encode(records[sid[1]]),
                                     response_ids=list(by_id[sid][1].response_ids),
                                     rollout_logprobs=list(by_id[sid][1].logprobs), advantage=adv)
                    for sid, adv in zip(ordered, advantages)]

@@ -73,6 +73,7 @@ class Recovery:
                 train = run.snapshots[max(v for v, s in run.snapshots.items() if s.moments is not None)]
                 rv = self._engine_version(w, train.version)
                 snapshot.restore(cluster, train, run.snapshots[rv])
+                run.engine_version = rv
                 break
             except DevicesLost as again:  # ranks of the new generation
                 lost, where = dict(again.lost), f"recovery ({again.where})"

@@ -72,6 +72,7 @@ class Run:
         self.rollouts: dict[int, StepRollout] = {}
         self.pending: ResizeOutcome | None = None
         self.last_critical_s: float | None = None
+        self.engine_version = rollout_version(self.start_step, cfg.train.staleness)  # what rollout devices hold
         self.recovery, self.ckpt = Recovery(self), Checkpointer(self)
 
     def _controller(self, state: dict) -> tuple[Controller, Assignment]:
@@ -152,6 +153,7 @@ class Run:
         self.cluster.raise_if_lost(f"step {step}")
         if w.synced is None:
             w.synced = self.cluster.sync_weights(version=step + 1, step=step)
+            self.engine_version = step + 1
             w.digest = self.cluster.param_digest() if cfg.deterministic else None
         if nxt and not overlap:
             self._rollout(step + 1)
@@ -181,13 +183,24 @@ class Run:
         """The step's rollout, complete: sends what is left (nothing when done)."""
         buf = self._buffer(step)
         if not buf.done:
+            self._engines_at(rollout_version(step, self.cfg.train.staleness))
             self._absorb(step, self.cluster.rollout(step, buf.remaining, self.assignment.devices(ROLLOUT)))
             self.cluster.raise_if_lost(f"rollout {step}")
         return buf
 
     def _rollout_async(self, step: int) -> Any:
         buf = self._buffer(step)
-        return None if buf.done else self.cluster.rollout_async(step, buf.remaining)
+        if buf.done:
+            return None
+        self._engines_at(rollout_version(step, self.cfg.train.staleness))
+        return self.cluster.rollout_async(step, buf.remaining)
+
+    def _engines_at(self, version: int) -> None:
+        """Rollout devices hold `version` before a rollout that needs it: after the sync they
+        do; after a resume or a recovery (they then hold an older one) it comes from its snapshot."""
+        if self.engine_version != version:
+            snapshot.load_rollout(self.cluster, self.snapshots[version])
+            self.engine_version = version
 
     def _absorb(self, step: int, outcome: Any) -> None:
         for sid in outcome.reissued:

@@ -97,6 +97,15 @@ def restore(cluster: Any, train: Snapshot, rollout: Snapshot) -> list[dict]:
     return cluster.wait(calls, "restore")
 
 
+def load_rollout(cluster: Any, snap: Snapshot) -> list[dict]:
+    """Give every rollout device the weights of `snap.version` (before a rollout that needs them)."""
+    from dynaresize.types import ROLLOUT
+
+    calls = [(d, cluster.workers[d].restore_rollout.remote(snap.version, *snap.params))
+             for d in cluster.assignment.devices(ROLLOUT)]
+    return cluster.wait(calls, f"rollout weights {snap.version}")
+
+
 def write_checkpoint(snap: Snapshot, directory: str | Path, *, extra: dict | None = None,
                      params_only: bool = False) -> Path:
     """Write `snap` as a trainer checkpoint (shards, then the manifest last) into `directory`.

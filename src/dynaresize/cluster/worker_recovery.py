@@ -78,6 +78,7 @@ class RecoveryMixin:
         self.trainer, self.train_ranks = None, ()
         self._old_moments, self._moments_error = None, None
         self._moments_done.set()
+        self._handover, self._handover_version = None, None  # a resize cut short left it
         t1 = time.time()
         rendezvous.init_world(rank=self.device, world_size=world_size, init_method=init_method,
                               backend=self.cfg.cluster.backend, timeout_s=self.cfg.timeouts.collective_s,
