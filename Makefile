@@ -25,6 +25,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q -m slow
 
+# The fault matrix (kill/stop x every fault point) and the resumes on other device counts.
+test-faults: $(STAMP)
+	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q -m slow tests/e2e/test_faults.py tests/e2e/test_resume.py
+
 bench: $(STAMP)
 	$(VENV)/bin/dynaresize bench sim --out bench-out/sim
 	$(VENV)/bin/dynaresize bench resize --out bench-out/resize

@@ -1,0 +1,148 @@
+"""Bad input: each gives a clear one-line error (or a recorded refusal) and damages nothing.
+
+- malformed config and fault specs: every error listed, exit 2;
+- an empty or malformed prompt file: exit 2 with the file and line, before anything is written
+  (also when resuming: the run directory stays byte for byte as it was);
+- a scripted schedule the bounds forbid: refused with a reason in the records, the run goes on;
+- a reward function that raises or returns a non-number: with `task.on_reward_error=zero` it
+  scores 0 and the sample record says why; with `fail` the step stops cleanly (exit 1, one
+  line) with a consistent checkpoint, and `--resume` then finishes the run with nothing lost.
+(A corrupt or partial checkpoint on resume: tests/e2e/test_resume.py.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from _runs import job_data, ray_local, records  # noqa: F401
+
+pytestmark = pytest.mark.dist
+
+REWARDS = '''
+calls = {"n": 0}
+
+
+def flaky(prompt, response, fields):
+    """Raises on every 5th call, returns a string on every 7th, else a number."""
+    calls["n"] += 1
+    if calls["n"] % 5 == 0:
+        raise ValueError("boom")
+    if calls["n"] % 7 == 0:
+        return "high"
+    return float(len(response) % 3)
+
+
+def fails_from_step_1(prompt, response, fields):
+    calls["n"] += 1
+    if calls["n"] > 16:  # 16 samples a step: step 0 scores, step 1 fails
+        raise RuntimeError("reward service unavailable")
+    return 1.0
+
+
+def good(prompt, response, fields):
+    return 1.0
+'''
+
+
+def _run(*argv: str) -> int:
+    from dynaresize.cli import main
+
+    return main(["run", "--no-progress", *argv])
+
+
+def _config_file(tmp_path: Path, **over) -> Path:
+    path = tmp_path / f"job-{len(list(tmp_path.glob('job-*.json')))}.json"
+    path.write_text(json.dumps(job_data(**over)))
+    return path
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_malformed_config_and_faults_list_every_error(tmp_path, capsys):
+    out = tmp_path / "r"
+    code = _run("--out", str(out), "--set", "cluster.devices=x", "--set", "timeouts.collective_s=-1",
+                "--inject", "kill:1@nowhere:2", "--inject", "explode:1@train:2")
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    for needle in ("cluster.devices='x'", "collective_s=-1", "kill:1@nowhere:2", "explode:1@train:2"):
+        assert needle in err, needle
+    code = _run("--out", str(out), "--devices", "4", "--inject", "kill:7@train:1")
+    assert code == 2 and "device 7 outside 0..3" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("", "no prompts (the file is empty)"),
+    ('{"prompt": "a"}\n{"prompt": "b"\n', ":2: bad JSON"),
+    ('{"prompt": "a"}\n{"text": "b"}\n', ':2: missing "prompt" field'),
+])
+def test_bad_prompt_file_exits_2_naming_the_line(tmp_path, capsys, content, needle):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    out = tmp_path / "r"
+    code = _run("--out", str(out), "--set", f"task.prompts_file={prompts}",
+                "--set", "task.reward=dynaresize.rl.tasks:toy_count_reward")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and str(prompts) in err and "\n" not in err
+    assert not out.exists()  # nothing was written
+
+
+def test_bounds_forbid_a_scripted_move_and_bad_rewards_score_zero(ray_local, tmp_path, capsys):
+    """2 devices: a schedule asking for 2 rollout devices leaves none to train; refused, recorded."""
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    out = tmp_path / "r"
+    cfg = _config_file(tmp_path, steps=2, cluster={"devices": 2, "rollout_devices": 1},
+                       policy={"name": "scripted", "schedule": "1:2"},
+                       task={"reward": f"{tmp_path / 'rewards.py'}:flaky", "on_reward_error": "zero"})
+    assert _run("--config", str(cfg), "--out", str(out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ledger_ok"] and summary["resizes"] == 0
+    (refused,) = records(out, "refused")
+    assert refused["requested_rollout"] == 2 and "min_train" in refused["reason"]
+    errors = [r for r in records(out, "sample") if r["reward_error"]]
+    assert any("raised ValueError: boom" in r["reward_error"] for r in errors)
+    assert any("returned str, not a number" in r["reward_error"] for r in errors)
+    assert all(r["reward"] == 0.0 and r["consumed_step"] is not None for r in errors)
+    # a bad prompt file given on resume: exit 2 naming the line, the run directory untouched
+    tree = _tree(out)
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"prompt": "a"}\nnot json\n')
+    code = _run("--resume", str(out), "--steps", "3", "--set", f"task.prompts_file={prompts}")
+    assert code == 2 and f"{prompts}:2: bad JSON" in capsys.readouterr().err
+    assert _tree(out) == tree
+
+
+def test_failing_reward_stops_cleanly_and_resume_finishes_the_run(ray_local, tmp_path, capsys):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    out = tmp_path / "r"
+    cfg = _config_file(tmp_path, steps=3, cluster={"devices": 2, "rollout_devices": 1},
+                       policy={"name": "static"},
+                       task={"reward": f"{tmp_path / 'rewards.py'}:fails_from_step_1", "on_reward_error": "fail"})
+    assert _run("--config", str(cfg), "--out", str(out)) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("dynaresize: run stopped:") and "reward service unavailable" in err
+    assert "checkpoint of step 1" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] and summary["ledger_ok"], summary["ledger_problems"]
+    dropped = {r["sample_id"] for r in records(out, "sample") if r["dropped"]}
+    assert dropped and {s.split("-")[0] for s in dropped} <= {"1", "2"}
+    # the good parts are intact; resuming (with a fixed reward) appends and finishes
+    before = (out / "records.jsonl").read_bytes()
+    assert _run("--resume", str(out), "--set", f"task.reward={tmp_path / 'rewards.py'}:good") == 0
+    assert (out / "records.jsonl").read_bytes().startswith(before)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ledger_ok"], summary["ledger_problems"]
+    last = {}
+    for r in records(out, "sample"):
+        last[r["sample_id"]] = r
+    assert len(last) == 3 * 16 and all(r["consumed_step"] == int(k.split("-")[0]) for k, r in last.items())
+    # the dropped samples came back with the same seeds
+    first_seed = {r["sample_id"]: r["seed"] for r in records(out, "sample") if r["dropped"]}
+    assert all(last[k]["seed"] == seed for k, seed in first_seed.items())

@@ -1,0 +1,147 @@
+"""Resume: `dynaresize run --resume RUN_DIR` continues a run from its last checkpoint on another
+device count or split, appends to its records, keeps the ledger (nothing lost, nothing consumed
+twice) and, in deterministic mode, ends with the tokens and final parameters of the
+uninterrupted run. A corrupt or partial checkpoint is refused in one line, touching nothing.
+
+Default suite: 4 -> 3 devices and the bad checkpoints. `make test-faults` adds 4 -> 2, 2 -> 4.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from _runs import assert_same_run, job_config, ray_local, records, reference_run, samples  # noqa: F401
+
+pytestmark = pytest.mark.dist
+
+FIRST_STEPS = 2
+
+
+def _segment(root: Path, devices: int, rollout_devices: int) -> Path:
+    """The first part of the job: its first FIRST_STEPS steps, ending with a final checkpoint."""
+    from dynaresize.runtime import run_job
+
+    out = root / f"first-{devices}"
+    summary = run_job(job_config(steps=FIRST_STEPS, cluster__devices=devices, cluster__rollout_devices=rollout_devices),
+                      out, progress=False)
+    assert summary["ledger_ok"], summary["ledger_problems"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def first4(ray_local, tmp_path_factory) -> Path:
+    return _segment(tmp_path_factory.mktemp("resume"), 4, 2)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _resume(out: Path, *argv: str) -> int:
+    from dynaresize.cli import main
+
+    return main(["run", "--resume", str(out), "--no-progress", *argv])
+
+
+def _digest_tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _check_resumed(out: Path, before: bytes, devices: int) -> None:
+    after = (out / "records.jsonl").read_bytes()
+    assert after.startswith(before) and len(after) > len(before)  # appended, nothing rewritten
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ledger_ok"], summary["ledger_problems"]
+    assert (summary["steps"], summary["devices"], summary["resumed_from_step"]) == (4, devices, FIRST_STEPS)
+    (resume,) = records(out, "resume")
+    assert (resume["step"], resume["num_devices"]) == (FIRST_STEPS, devices)
+    consumed = [r for r in records(out, "sample") if r["consumed_step"] is not None]
+    assert len(consumed) == len({r["sample_id"] for r in consumed}) == 4 * 16  # each sample consumed once
+    assert json.loads((out / "checkpoint" / "latest.json").read_text())["step"] == 4
+    assert len(list((out / "checkpoint").glob("step-*"))) == 1
+
+
+def test_resume_on_three_devices_equals_the_uninterrupted_run(first4, tmp_path):
+    out = _copy(first4, tmp_path / "run")
+    before = (out / "records.jsonl").read_bytes()
+    assert _resume(out, "--steps", "4", "--devices", "3", "--rollout-devices", "1") == 0
+    _check_resumed(out, before, devices=3)
+    assert_same_run(out, reference_run())
+
+
+def test_corrupt_or_partial_checkpoint_is_refused_in_one_line(first4, tmp_path, capsys):
+    cases = {
+        "corrupt shard": lambda ck: _flip_byte(next((ck / "trainer").glob("shard-*"))),
+        "partial (shard missing)": lambda ck: next((ck / "rollout").glob("shard-*")).unlink(),
+        "no driver state": lambda ck: (ck / "driver.json").unlink(),
+        "manifest cut short": lambda ck: _truncate(ck / "trainer" / "manifest.json"),
+    }
+    for i, (name, damage) in enumerate(cases.items()):
+        out = _copy(first4, tmp_path / f"run{i}")
+        damage(next((out / "checkpoint").glob("step-*")))
+        tree = _digest_tree(out)
+        capsys.readouterr()
+        assert _resume(out, "--steps", "4") == 1, name
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("dynaresize: checkpoint error:") and "\n" not in err, (name, err)
+        assert "Traceback" not in err
+        assert _digest_tree(out) == tree, name  # nothing written, nothing removed
+
+
+def test_resume_refuses_what_it_cannot_do(first4, tmp_path, capsys):
+    out = _copy(first4, tmp_path / "run")
+    tree = _digest_tree(out)
+    assert _resume(out, "--steps", str(FIRST_STEPS)) == 2  # nothing left to run
+    assert "nothing left to run" in capsys.readouterr().err
+    assert _resume(out, "--steps", "4", "--seed", "3") == 2  # the run keeps its seed
+    assert _resume(out, "--steps", "4", "--devices", "3", "--rollout-devices", "3") == 2  # a split bounds forbid
+    assert "cluster.rollout_devices=3" in capsys.readouterr().err
+    assert _resume(tmp_path / "nowhere", "--steps", "4") == 1
+    assert _digest_tree(out) == tree
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:40])
+
+
+@pytest.mark.slow
+def test_resume_on_two_devices_equals_the_uninterrupted_run(first4, tmp_path):
+    out = _copy(first4, tmp_path / "run")
+    before = (out / "records.jsonl").read_bytes()
+    assert _resume(out, "--steps", "4", "--devices", "2") == 0
+    _check_resumed(out, before, devices=2)
+    assert_same_run(out, reference_run())
+
+
+@pytest.mark.slow
+def test_resume_from_two_to_four_devices_equals_the_uninterrupted_run(ray_local, tmp_path):
+    out = _segment(tmp_path, 2, 1)
+    before = (out / "records.jsonl").read_bytes()
+    assert _resume(out, "--steps", "4", "--devices", "4", "--rollout-devices", "2") == 0
+    _check_resumed(out, before, devices=4)
+    assert_same_run(out, reference_run())
+    (resume,) = records(out, "resume")
+    assert resume["rollout_devices"] == 2  # the split it was asked for
+
+
+@pytest.mark.slow
+def test_resume_on_the_same_devices_keeps_the_policy_state(first4, tmp_path):
+    out = _copy(first4, tmp_path / "run")
+    assert _resume(out, "--steps", "4") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ledger_ok"] and summary["devices"] == 4
+    assert_same_run(out, reference_run())
+    assert len(samples(out)) == 4 * 16
