@@ -77,9 +77,9 @@ class Run:
 
     def _controller(self, state: dict) -> tuple[Controller, Assignment]:
         cfg = self.cfg
-        same = state and (state["devices"], state["rollout_devices"]) == (cfg.cluster.devices,
-                                                                          cfg.cluster.rollout_devices)
-        if same:  # resumed on the same devices: the policy goes on where it was
+        same = state and (state["devices"], state["rollout_devices"], state["config"]["policy"]) == (
+            cfg.cluster.devices, cfg.cluster.rollout_devices, config_to_dict(cfg)["policy"])
+        if same:  # resumed on the same devices with the same policy: it goes on where it was
             return state["controller"], state["controller"].assignment
         bounds = Bounds(num_devices=cfg.cluster.devices, min_rollout=cfg.policy.min_rollout,
                         min_train=cfg.policy.min_train, move_unit=cfg.policy.move_unit)

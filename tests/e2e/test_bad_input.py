@@ -3,10 +3,10 @@
 - malformed config and fault specs: every error listed, exit 2;
 - an empty or malformed prompt file: exit 2 with the file and line, before anything is written
   (also when resuming: the run directory stays byte for byte as it was);
-- a scripted schedule the bounds forbid: refused with a reason in the records, the run goes on;
-- a reward function that raises or returns a non-number: with `task.on_reward_error=zero` it
-  scores 0 and the sample record says why; with `fail` the step stops cleanly (exit 1, one
-  line) with a consistent checkpoint, and `--resume` then finishes the run with nothing lost.
+- a reward function that raises or returns a non-number: with `task.on_reward_error=fail` the
+  step stops cleanly (exit 1, one line) with a consistent checkpoint, and `--resume` finishes
+  the run with nothing lost; with `zero` it scores 0 and the sample record says why;
+- a scripted schedule the bounds forbid: refused with a reason in the records, the run goes on.
 (A corrupt or partial checkpoint on resume: tests/e2e/test_resume.py.)
 """
 
@@ -94,55 +94,48 @@ def test_bad_prompt_file_exits_2_naming_the_line(tmp_path, capsys, content, need
     assert not out.exists()  # nothing was written
 
 
-def test_bounds_forbid_a_scripted_move_and_bad_rewards_score_zero(ray_local, tmp_path, capsys):
-    """2 devices: a schedule asking for 2 rollout devices leaves none to train; refused, recorded."""
-    (tmp_path / "rewards.py").write_text(REWARDS)
-    out = tmp_path / "r"
-    cfg = _config_file(tmp_path, steps=2, cluster={"devices": 2, "rollout_devices": 1},
-                       policy={"name": "scripted", "schedule": "1:2"},
-                       task={"reward": f"{tmp_path / 'rewards.py'}:flaky", "on_reward_error": "zero"})
-    assert _run("--config", str(cfg), "--out", str(out)) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["ledger_ok"] and summary["resizes"] == 0
-    (refused,) = records(out, "refused")
-    assert refused["requested_rollout"] == 2 and "min_train" in refused["reason"]
-    errors = [r for r in records(out, "sample") if r["reward_error"]]
-    assert any("raised ValueError: boom" in r["reward_error"] for r in errors)
-    assert any("returned str, not a number" in r["reward_error"] for r in errors)
-    assert all(r["reward"] == 0.0 and r["consumed_step"] is not None for r in errors)
-    # a bad prompt file given on resume: exit 2 naming the line, the run directory untouched
-    tree = _tree(out)
-    prompts = tmp_path / "bad.jsonl"
-    prompts.write_text('{"prompt": "a"}\nnot json\n')
-    code = _run("--resume", str(out), "--steps", "3", "--set", f"task.prompts_file={prompts}")
-    assert code == 2 and f"{prompts}:2: bad JSON" in capsys.readouterr().err
-    assert _tree(out) == tree
-
-
-def test_failing_reward_stops_cleanly_and_resume_finishes_the_run(ray_local, tmp_path, capsys):
-    (tmp_path / "rewards.py").write_text(REWARDS)
+def test_failing_reward_stops_cleanly_then_resume_scores_bad_rewards_zero_and_refuses_a_forbidden_move(
+        ray_local, tmp_path, capsys):
+    """One job on 2 devices: step 1's reward fails (on_reward_error=fail): clean stop, checkpoint.
+    Resumed with a flaky reward (raises or returns a string now and then) scored as zero, and a
+    scripted move to 2 rollout devices that leaves none to train: refused, recorded; it finishes."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS)
     out = tmp_path / "r"
     cfg = _config_file(tmp_path, steps=3, cluster={"devices": 2, "rollout_devices": 1},
-                       policy={"name": "static"},
-                       task={"reward": f"{tmp_path / 'rewards.py'}:fails_from_step_1", "on_reward_error": "fail"})
+                       policy={"name": "static"}, task={"reward": f"{rewards}:fails_from_step_1", "on_reward_error": "fail"})
     assert _run("--config", str(cfg), "--out", str(out)) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("dynaresize: run stopped:") and "reward service unavailable" in err
     assert "checkpoint of step 1" in err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] and summary["ledger_ok"], summary["ledger_problems"]
-    dropped = {r["sample_id"] for r in records(out, "sample") if r["dropped"]}
-    assert dropped and {s.split("-")[0] for s in dropped} <= {"1", "2"}
-    # the good parts are intact; resuming (with a fixed reward) appends and finishes
+    dropped = {r["sample_id"]: r for r in records(out, "sample") if r["dropped"]}
+    assert dropped and {s.split("-")[0] for s in dropped} == {"1"}  # step 0 consumed, step 1 not
+
+    # a bad prompt file given on resume: exit 2 naming the line, the run directory untouched
+    tree = _tree(out)
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"prompt": "a"}\nnot json\n')
+    code = _run("--resume", str(out), "--set", f"task.prompts_file={prompts}")
+    assert code == 2 and f"{prompts}:2: bad JSON" in capsys.readouterr().err
+    assert _tree(out) == tree
+
     before = (out / "records.jsonl").read_bytes()
-    assert _run("--resume", str(out), "--set", f"task.reward={tmp_path / 'rewards.py'}:good") == 0
-    assert (out / "records.jsonl").read_bytes().startswith(before)
+    assert _run("--resume", str(out), "--set", f"task.reward={rewards}:flaky", "--set", "task.on_reward_error=zero",
+                "--policy", "scripted", "--schedule", "2:2") == 0
+    assert (out / "records.jsonl").read_bytes().startswith(before)  # appended; nothing rewritten
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ledger_ok"], summary["ledger_problems"]
+    assert summary["resizes"] == 0 and summary["stopped"] is None
+    (refused,) = records(out, "refused")
+    assert refused["requested_rollout"] == 2 and "min_train" in refused["reason"]
     last = {}
     for r in records(out, "sample"):
         last[r["sample_id"]] = r
     assert len(last) == 3 * 16 and all(r["consumed_step"] == int(k.split("-")[0]) for k, r in last.items())
-    # the dropped samples came back with the same seeds
-    first_seed = {r["sample_id"]: r["seed"] for r in records(out, "sample") if r["dropped"]}
-    assert all(last[k]["seed"] == seed for k, seed in first_seed.items())
+    assert all(last[k]["seed"] == r["seed"] for k, r in dropped.items())  # regenerated with the same seeds
+    errors = [r for r in last.values() if r["reward_error"]]
+    assert any("raised ValueError: boom" in r["reward_error"] for r in errors)
+    assert any("returned str, not a number" in r["reward_error"] for r in errors)
+    assert all(r["reward"] == 0.0 for r in errors)

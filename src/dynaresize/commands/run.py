@@ -5,7 +5,8 @@ Config resolution, most specific last: preset -> `--config FILE` -> flags (`--de
 exits 2 without a traceback. With no arguments it runs the embedded default preset.
 
 `--resume RUN_DIR` continues the run in RUN_DIR from its last checkpoint: the saved config,
-then `--steps`, `--devices`, `--rollout-devices`, `--inject`, `--set` on top (faults of the
+then `--steps`, `--devices`, `--rollout-devices`, `--policy`, `--schedule`, `--inject`, `--set`
+on top (`--seed` and `--config` are refused: they define another job; faults of the
 first run are not carried over). The checkpoint is verified before anything is written; a bad
 one is one line and exit 1. A run that stops cleanly (a reward function failed, too few
 devices left after a loss) leaves a consistent checkpoint and exits 1 with one line.
@@ -95,9 +96,9 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "resume", None):
         from dynaresize.checkpointing import load_resume_point
 
-        for flag in ("config", "seed", "deterministic", "schedule", "policy"):
+        for flag in ("config", "seed"):
             if getattr(args, flag, None):
-                raise UserError(f"--{flag} cannot be combined with --resume: the run keeps its own (use --set)")
+                raise UserError(f"--{flag} cannot be combined with --resume: the resumed run keeps its job")
         point = load_resume_point(args.resume)  # CheckpointError (exit 1) before anything is written
         cfg = resolve_config(args, base=point.config)
         if cfg.steps <= point.boundary:
