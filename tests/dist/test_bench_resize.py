@@ -28,6 +28,7 @@ def test_planned_peak_staging_never_exceeds_the_bound():
                 assert 0 <= peak <= bound
 
 
+@pytest.mark.slow  # ~2 min: starts the workers twice; `make bench` runs the real thing
 def test_bench_resize_end_to_end(tmp_path):
     bounds = (1024, 64 * 1024)  # 1 KiB: far below a parameter shard (~390 KiB here)
     args = argparse.Namespace(devices=3, params=2e5, repeats=1, out=str(tmp_path), staging_bounds=bounds,
