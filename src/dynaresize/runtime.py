@@ -28,6 +28,7 @@ from typing import Any
 from dynaresize.checkpointing import Checkpointer, ResumePoint, end_partial_line, resume_records
 from dynaresize.cluster import snapshot
 from dynaresize.cluster.cluster import Cluster, ResizeOutcome
+from dynaresize.cluster.faults import parse_faults
 from dynaresize.cluster.watchdog import DevicesLost
 from dynaresize.config import RunConfig, config_to_dict
 from dynaresize.control.controller import Controller, decision_fields
@@ -48,7 +49,8 @@ class Run:
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, progress: bool = True,
                  resume: ResumePoint | None = None) -> None:
-        self.job = Job(cfg)  # first: a bad prompt file or reward spec stops here, nothing written
+        self.job = Job(cfg)  # first: a bad prompt file, reward spec or fault spec stops here, nothing written
+        parse_faults(cfg.faults, cfg.cluster.devices)
         self.cfg, self.out, self.progress, self.resume = cfg, Path(out_dir), progress, resume
         state = resume.driver if resume else {}
         self.ledger: Ledger = state.get("ledger") or Ledger(staleness=cfg.train.staleness)
