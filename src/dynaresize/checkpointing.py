@@ -88,7 +88,7 @@ class Checkpointer:
         offset = run.rec.path.stat().st_size  # the recorder flushes every line
         state = {
             "format": FORMAT, "boundary": boundary, "rollout_version": rv, "ledger": run.ledger.state_before(boundary),
-            "controller": run.controller, "next_resize_id": run.controller._next_resize_id,
+            "controller": run.controller, "next_resize_id": run.controller.next_resize_id,
             "rewards": run.rewards[:boundary], "resizes": run.resizes, "config": config_to_dict(run.cfg),
             "devices": run.cfg.cluster.devices, "rollout_devices": run.cfg.cluster.rollout_devices,
             "stats": {**run.stats, "faults_injected": run.stats["faults_injected"] + run.cluster.faults.num_fired,

@@ -90,7 +90,7 @@ class Run:
         start = None if state else getattr(policy, "start_rollout", None)
         assignment = Assignment.split(cfg.cluster.devices, cfg.cluster.rollout_devices if start is None else start)
         controller = Controller(policy=policy, bounds=bounds, assignment=assignment)
-        controller._next_resize_id = state.get("next_resize_id", 0)  # resize ids stay unique across a resume
+        controller.continue_resize_ids(state.get("next_resize_id", 0))  # ids stay unique across a resume
         return controller, assignment
 
     def rel(self, t: float) -> float:

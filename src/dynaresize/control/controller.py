@@ -59,6 +59,15 @@ class Controller:
         return self._assignment
 
     @property
+    def next_resize_id(self) -> int:
+        """The id the next plan gets; a resumed run continues the count so ids stay unique."""
+        return self._next_resize_id
+
+    def continue_resize_ids(self, next_id: int) -> None:
+        """Continue resize ids after a resume (ids already used must not be handed out again)."""
+        self._next_resize_id = max(self._next_resize_id, int(next_id))
+
+    @property
     def state(self) -> ControllerState:
         return self._state
 
