@@ -27,12 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Run a disaggregated, one-step-off-policy GRPO job on Ray device workers whose "
         "rollout/train split follows the workload. With no arguments: local Ray, 4 CPU devices, a "
         "tiny Qwen2 model, the toy task, the hysteresis policy, synthetic long-tail lengths.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting config")
+        epilog="Flags left out keep the preset's (or the resumed run's) values; see docs/config.md.")
+    p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting config (default: default)")
     p.add_argument("--config", metavar="FILE", help="TOML, YAML or JSON config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
                    help="override one field, e.g. --set policy.cooldown_steps=3 (repeatable)")
-    p.add_argument("--out", default="runs/latest", metavar="RUN_DIR", help="run directory to write")
+    p.add_argument("--out", default="runs/latest", metavar="RUN_DIR", help="run directory to write (default: runs/latest)")
     p.add_argument("--devices", type=int, help="number of devices (cluster.devices)")
     p.add_argument("--steps", type=int, help="number of RL steps")
     p.add_argument("--rollout-devices", type=int, help="initial rollout pool size (cluster.rollout_devices)")
