@@ -41,11 +41,7 @@ def write_sim_figures(runs: dict, doc: dict, out_dir: str | Path) -> list[Path]:
         ax.tick_params(labelsize=7)
     axes[-1, 0].set_xlabel("wall time (h)")
     fig.suptitle(f"Allocation over time — {title}", fontsize=10)
-    fig.tight_layout()
-    p = out / "allocation.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out / "allocation.png"))
 
     results = doc["results"]
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(results)), 4))
@@ -59,9 +55,14 @@ def write_sim_figures(runs: dict, doc: dict, out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("samples / s")
     ax.set_ylim(0, max(vals) * 1.3 if vals else 1)
     ax.set_title(f"Throughput — {title}", fontsize=10)
-    fig.tight_layout()
-    p = out / "throughput.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out / "throughput.png"))
     return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -188,17 +188,11 @@ def op_cost(name: str, model: ModelPreset, *, num_train_before: int, num_train_a
     n_old, n_new = max(num_train_before, 1), max(num_train_after, 1)
     if name == "drop_from_train_group" or name == "join_train_group":
         return COMM_REUSE_S, 0.0
-    if name == "move_param_shards":
-        b = master / n_old
-        return b / hw.nic_bw, b
-    if name == "receive_param_shards":
-        b = master / n_new
-        return b / hw.nic_bw, b
-    if name == "move_optimizer_shards":
-        b = moments / n_old
-        return b / hw.nic_bw, b
-    if name == "receive_optimizer_shards":
-        b = moments / n_new
+    # A shard leaves from the old layout's share (moving out) or lands in the new one's (joining).
+    shard_bytes = {"move_param_shards": master / n_old, "receive_param_shards": master / n_new,
+                   "move_optimizer_shards": moments / n_old, "receive_optimizer_shards": moments / n_new}
+    if name in shard_bytes:
+        b = shard_bytes[name]
         return b / hw.nic_bw, b
     if name == "load_weights":
         # Wake a sleeping engine; full weights ride the regular post-step weight sync (3.3).
