@@ -23,6 +23,7 @@ from dynaresize.errors import ConfigError
 POLICY_NAMES = ("hysteresis", "static", "static-profiled", "greedy", "lend", "scripted")
 FAULT_KINDS = ("kill", "stop")
 FAULT_POINTS = ("rollout", "train", "weight_sync", "resize.reshard", "resize.switch")
+LOG_BACKENDS = ("jsonl", "tensorboard", "wandb", "mlflow")  # jsonl (records.jsonl) is always on
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +187,16 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    backends: tuple[str, ...] = ("jsonl",)  # experiment trackers fed every record (dynaresize.tracking)
+
+    def check(self, err: "_Errors") -> None:
+        for name in self.backends:
+            err.need(name in LOG_BACKENDS, "backends", name, f"must be one of {', '.join(LOG_BACKENDS)}")
+        err.need(len(set(self.backends)) == len(self.backends), "backends", self.backends, "a backend is named twice")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     steps: int = 12
     seed: int = 0
@@ -200,6 +211,7 @@ class RunConfig:
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.steps >= 1, "steps", self.steps, "must be >= 1")

@@ -5,15 +5,19 @@ must carry (more may be added); `Recorder.emit` checks them, so a tool reading
 `records.jsonl` can rely on them. docs/records.md documents every kind.
 
 The recorder is the only writer of `records.jsonl`; it appends and flushes each line, so a run
-that dies leaves every record it emitted readable.
+that dies leaves every record it emitted readable. It also hands every record, in order, to
+its sinks (experiment trackers, `dynaresize.tracking`); a sink that fails is dropped with one
+warning on stderr: a tracker never stops a run, and `records.jsonl` stays complete.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
+import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Protocol
 
 SCHEMA: dict[str, tuple[str, ...]] = {
     "config": ("config",),
@@ -56,12 +60,23 @@ def make_record(kind: str, **fields: Any) -> dict:
     return {"kind": kind, **_clean(fields)}
 
 
-class Recorder:
-    """Appends records to a JSONL file (or keeps them in memory when `path` is None)."""
+class Sink(Protocol):
+    """Receives every record a recorder emits (see `dynaresize.tracking`)."""
 
-    def __init__(self, path: str | Path | None) -> None:
+    def write(self, record: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Recorder:
+    """Appends records to a JSONL file (or keeps them in memory when `path` is None) and hands
+    each to `sinks`."""
+
+    def __init__(self, path: str | Path | None, sinks: Iterable[Sink] = ()) -> None:
         self.path = Path(path) if path is not None else None
         self.records: list[dict] = []
+        self.sinks: list[Sink] = list(sinks)
+        self._lock = threading.Lock()  # the overlapped rollout thread emits too: lines and sink calls stay whole
         self._fh = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,19 +84,39 @@ class Recorder:
 
     def emit(self, kind: str, **fields: Any) -> dict:
         rec = make_record(kind, **fields)
-        self.records.append(rec)
-        if self._fh is not None:
-            self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            self._fh.flush()
+        with self._lock:
+            self.records.append(rec)
+            if self._fh is not None:
+                self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                self._fh.flush()
+            for sink in list(self.sinks):
+                self._to_sink(sink, "write", rec)
         return rec
+
+    def _to_sink(self, sink: Sink, method: str, *args: Any) -> None:
+        try:
+            getattr(sink, method)(*args)
+        except Exception as exc:  # a tracker's failure must not stop the run
+            self.sinks.remove(sink)
+            print(f"dynaresize: warning: {type(sink).__name__} failed ({type(exc).__name__}: {exc}); "
+                  "it gets no more records", file=sys.stderr)
+            if method != "close":
+                try:
+                    sink.close()
+                except Exception:
+                    pass
 
     def of_kind(self, kind: str) -> list[dict]:
         return [r for r in self.records if r["kind"] == kind]
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        with self._lock:
+            for sink in list(self.sinks):
+                self._to_sink(sink, "close")
+            self.sinks = []
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
 
     def __enter__(self) -> "Recorder":
         return self

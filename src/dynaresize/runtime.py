@@ -21,6 +21,7 @@ final, and on a stop) are written from the same snapshots; `--resume` starts fro
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from dynaresize.records import Recorder
 from dynaresize.recovery import Recovery, stop_run
 from dynaresize.rl import grpo
 from dynaresize.stepstate import StepRollout, Window, rollout_version
+from dynaresize.tracking import check_backends, open_sinks
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan, StepReport
 
 
@@ -51,6 +53,7 @@ class Run:
                  resume: ResumePoint | None = None) -> None:
         self.job = Job(cfg)  # first: a bad prompt file, reward spec or fault spec stops here, nothing written
         parse_faults(cfg.faults, cfg.cluster.devices)
+        check_backends(cfg.logging.backends)  # a tracker named but not installed: ConfigError, nothing written
         self.cfg, self.out, self.progress, self.resume = cfg, Path(out_dir), progress, resume
         state = resume.driver if resume else {}
         self.ledger: Ledger = state.get("ledger") or Ledger(staleness=cfg.train.staleness)
@@ -65,7 +68,7 @@ class Run:
         (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
         if resume:
             end_partial_line(self.out / "records.jsonl")
-        self.rec = Recorder(self.out / "records.jsonl")
+        self.rec = Recorder(self.out / "records.jsonl", sinks=open_sinks(cfg.logging.backends, self.out))
         self.rec.emit("config", config=config_to_dict(cfg))
         if resume:
             resume_records(self, resume)
@@ -257,6 +260,9 @@ class Run:
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, num_rollout=a.num_rollout,
                       num_train=a.num_train, idle_device_s=report.idle_device_s, tail_idle_device_s=tail_idle,
                       reward_mean=scored.mean_reward, response_tokens=scored.num_tokens, version=step + 1,
+                      reward_std=statistics.pstdev([self.ledger.entries[s.sample_id].reward for s in scored.samples]),
+                      response_len_mean=scored.num_tokens / max(1, len(scored.samples)),
+                      response_len_max=scored.longest_tokens,
                       rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
                       recoveries=w.recoveries)
         return report
@@ -330,6 +336,7 @@ class Run:
             "devices_final": self.assignment.num_devices, "world_generation": self.cluster.generation,
             "faults_injected": s["faults_injected"] + self.cluster.faults.num_fired,
             "faults_recovered": s["faults_recovered"], "recoveries": s["recoveries"],
+            "faults_unfired": self.cluster.faults.unfired(),
             "resumed_from_step": self.start_step if self.resume else None, "stopped": stopped,
         }
         self.rec.emit("summary", summary=summary)

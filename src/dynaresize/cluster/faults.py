@@ -17,6 +17,11 @@ How a fault fires "whatever the device is doing at that moment":
   told to fire now (`fault_now`, on its `ctl` thread, which runs beside any work).
 
 `fire` is the one place a fault happens in a worker process.
+
+A fault fires at most once, when the driver reaches its point with its device alive. One
+whose point the run never reaches (a step past the end, a resize that is never decided, a
+device already lost) stays unfired: `FaultInjector.unfired` lists it, the run's summary says
+so in `faults_unfired`, and `dynaresize run` warns about it on stderr.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ def fire(kind: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops where it is
     while True:  # no SIGSTOP on this platform: hang the calling thread instead
         time.sleep(3600)
+
+
+def spec_text(spec: FaultSpec) -> str:
+    """The `KIND:DEVICE@POINT:STEP` text of a fault."""
+    return f"{spec.kind}:{spec.device}@{spec.point}:{spec.step}"
 
 
 def parse_faults(specs: Iterable[str], num_devices: int) -> list[FaultSpec]:
@@ -107,3 +117,7 @@ class FaultInjector:
     @property
     def num_fired(self) -> int:
         return sum(1 for a in self.faults if a.fired_t is not None)
+
+    def unfired(self) -> list[str]:
+        """The faults that have not fired (yet), as `KIND:DEVICE@POINT:STEP`."""
+        return [spec_text(a.spec) for a in self.faults if a.fired_t is None]

@@ -10,12 +10,17 @@ on top (`--seed` and `--config` are refused: they define another job; faults of 
 first run are not carried over). The checkpoint is verified before anything is written; a bad
 one is one line and exit 1. A run that stops cleanly (a reward function failed, too few
 devices left after a loss) leaves a consistent checkpoint and exits 1 with one line.
+
+An injected fault (`--inject`) that never fired by the end of the run is a warning on stderr
+(and `faults_unfired` in the summary): a fault test whose fault did not happen is no test.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from dynaresize.config import apply_overrides, build_config, load_file, merge
 from dynaresize.presets import PRESETS, preset
@@ -114,10 +119,23 @@ def main(args: argparse.Namespace) -> int:
     try:
         summary = run_job(cfg, out, progress=not args.no_progress, resume=point)
     except (RunStopped, RewardError) as exc:
+        saved = Path(out) / "summary.json"
+        warn_unfired(json.loads(saved.read_text()) if saved.is_file() else {})
         print(f"dynaresize: run stopped: {exc}", file=sys.stderr)
         return 1
     print(format_summary(summary, out))
+    warn_unfired(summary)
     return 0 if summary["ledger_ok"] else 1
+
+
+def warn_unfired(summary: dict) -> None:
+    """One warning line on stderr per injected fault that never fired."""
+    from dynaresize.config import parse_fault
+
+    for text in summary.get("faults_unfired") or []:
+        f = parse_fault(text)
+        print(f"dynaresize: warning: injected fault {text} never fired: the run did not reach {f.point} "
+              f"at step {f.step} with device {f.device} alive", file=sys.stderr)
 
 
 def format_summary(s: dict, out: str) -> str:

@@ -13,10 +13,16 @@ COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "weight_sync": "#55A868"}
 
 
 def write_timeline(records: Iterable[dict], path: str | Path, title: str = "dynaresize run") -> Path:
-    import matplotlib
+    from dynaresize.report.mpl import save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    return save_figure(timeline_figure(records, title), path)
+
+
+def timeline_figure(records: Iterable[dict], title: str = "dynaresize run"):
+    """The device timeline as a matplotlib Figure (the caller saves or embeds it)."""
+    from dynaresize.report.mpl import pyplot
+
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     records = list(records)
@@ -46,7 +52,4 @@ def write_timeline(records: Iterable[dict], path: str | Path, title: str = "dyna
                 Patch(facecolor="#BBBBBB", label="resize op (background)")]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

@@ -1,0 +1,111 @@
+"""Figures of one run's records, for the HTML report: each function returns a matplotlib Figure.
+
+Read only. x is the step number everywhere except the resize Gantt chart (seconds from the
+resize decision). Derived quantities (step time, idle fractions) come from `report.metrics`,
+the definitions the experiment trackers use too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynaresize.report.metrics import number, step_scalars
+from dynaresize.report.mpl import pyplot
+from dynaresize.report.timeline import COLORS
+
+CRITICAL, BACKGROUND = "#C44E52", "#BBBBBB"
+
+
+def _axes(height: float = 3.0, rows: int = 1) -> tuple[Any, Any]:
+    fig, axes = pyplot().subplots(rows, 1, figsize=(10, height), sharex=True, squeeze=False)
+    return fig, axes[:, 0]
+
+
+def _finish(fig: Any, ax: Any, title: str, ylabel: str, xlabel: str = "step") -> Any:
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+def split_figure(steps: list[dict], resizes: list[dict]) -> Any:
+    """Rollout and training devices per step; a dotted line after each step that decided a resize."""
+    fig, (ax,) = _axes()
+    xs = [r["step"] for r in steps]
+    ax.step(xs, [r["num_rollout"] for r in steps], where="post", color=COLORS["rollout"], label="rollout devices")
+    ax.step(xs, [r["num_train"] for r in steps], where="post", color=COLORS["train"], label="training devices")
+    for r in resizes:
+        ax.axvline(r["step"] + 0.5, color="black", linestyle=":", linewidth=0.8)
+    ax.set_ylim(bottom=0)
+    return _finish(fig, ax, "Split over time (dotted: a resize after that step)", "devices")
+
+
+def stage_times_figure(steps: list[dict]) -> Any:
+    fig, (ax,) = _axes()
+    xs = [r["step"] for r in steps]
+    for field, color in (("rollout_s", COLORS["rollout"]), ("train_s", COLORS["train"]),
+                         ("sync_s", COLORS["weight_sync"])):
+        ax.plot(xs, [number(r.get(field)) for r in steps], marker=".", color=color, label=field)
+    ax.plot(xs, [step_scalars(r).get("time/step_s") for r in steps], color="black", linewidth=0.8,
+            linestyle="--", label="step window")
+    return _finish(fig, ax, "Stage times per step", "seconds")
+
+
+def idle_figure(steps: list[dict]) -> Any:
+    """Idle device-seconds as a share of each step's window: tail idle vs other idle."""
+    fig, (ax,) = _axes()
+    xs = [r["step"] for r in steps]
+    scal = [step_scalars(r) for r in steps]
+    tail = [s.get("idle/tail_fraction", 0.0) for s in scal]
+    other = [max(0.0, s.get("idle/fraction", 0.0) - t) for s, t in zip(scal, tail)]
+    ax.bar(xs, tail, color="#8172B3", label="tail idle (rollout devices waiting for the last response)")
+    ax.bar(xs, other, bottom=tail, color="#CCB974", label="other idle (bubble, resize stalls)")
+    ax.set_ylim(0, 1)
+    return _finish(fig, ax, "Idle share of device time per step", "share of device-seconds")
+
+
+def reward_figure(steps: list[dict], evals: list[dict]) -> Any:
+    """Mean reward per step (band: +- std where recorded); eval metrics below when recorded."""
+    fig, axes = _axes(3.0 + (2.2 if evals else 0.0), 2 if evals else 1)
+    ax = axes[0]
+    pts = [(r["step"], number(r.get("reward_mean")), number(r.get("reward_std"))) for r in steps]
+    pts = [p for p in pts if p[1] is not None]
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", color="#55A868", label="reward mean")
+    band = [p for p in pts if p[2] is not None]
+    if band:
+        ax.fill_between([p[0] for p in band], [p[1] - p[2] for p in band], [p[1] + p[2] for p in band],
+                        color="#55A868", alpha=0.2, label="+- std")
+    if not evals:
+        return _finish(fig, ax, "Reward", "reward")
+    _finish(fig, ax, "Reward", "reward")
+    ev = axes[1]
+    names = sorted({k for r in evals for k in r if k not in ("kind", "step") and not k.endswith("_s")
+                    and number(r[k]) is not None})
+    for name in names:
+        pts = [(r["step"], number(r.get(name))) for r in evals if number(r.get(name)) is not None]
+        ev.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    return _finish(fig, ev, "Eval", "value")
+
+
+def resize_figure(resize: dict, ops: list[dict]) -> Any:
+    """One resize's ops on a time axis from its decision: critical (hatched) vs background."""
+    t0 = number(resize.get("t_s"))
+    if t0 is None:
+        t0 = min((op["start_s"] for op in ops), default=0.0)
+    rows = sorted(ops, key=lambda op: (op["start_s"], op["device"]))
+    fig, (ax,) = _axes(1.2 + 0.28 * max(1, len(rows)))
+    for i, op in enumerate(rows):
+        crit = bool(op["critical"])
+        ax.barh(i, max(op["end_s"] - op["start_s"], 1e-4), left=op["start_s"] - t0, height=0.6,
+                color=CRITICAL if crit else BACKGROUND, hatch="///" if crit else None, edgecolor="black",
+                linewidth=0.3)
+    ax.set_yticks(range(len(rows)), [f"device {op['device']}: {op['name']}" for op in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(resize["critical_s"], color=CRITICAL, linestyle="--", linewidth=0.8, label="critical path done")
+    ax.axvline(resize["total_s"], color="black", linestyle=":", linewidth=0.8, label="all ops done")
+    return _finish(fig, ax, f"Resize {resize['resize_id']} after step {resize['step']}: ops",
+                   "", xlabel="seconds from the decision")

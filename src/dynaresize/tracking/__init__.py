@@ -1,0 +1,113 @@
+"""Experiment trackers fed by the driver's record stream: TensorBoard, MLflow, W&B.
+
+Config `logging.backends` names them (`jsonl`, the run's `records.jsonl`, is always on). Each is
+a `Sink` the `Recorder` hands every record it emits; `TrackerSink` maps records to what a
+tracker shows, the same way for every backend:
+
+- `config` -> the tracker's run config / params;
+- `step` -> scalars at x = step (names: `report.metrics.STEP_SCALARS`, docs/records.md);
+- `resize` -> scalars `resize/critical_s`, `resize/total_s` at the resize's step, and a text
+  line (TensorBoard text panel, MLflow tag `resize.<id>`, W&B `events` table);
+- `fault`, `recovery` -> text lines; `eval` -> `eval/<field>` scalars;
+- `summary` -> the tracker's run summary (numeric fields as `summary/<field>`).
+
+Invariants: a backend's library is imported only when the backend is named, so none is a
+dependency (extras `dynaresize[tensorboard|mlflow|wandb]`); a backend named but not installed
+is a `ConfigError` before anything is written (`check_backends`); files go under the run
+directory only (`tensorboard/`, `mlruns/`, `wandb/`), and nothing reaches the network (W&B runs
+offline, MLflow uses a `file:` store).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from dynaresize.errors import ConfigError
+from dynaresize.records import Sink
+from dynaresize.report.metrics import event_text, eval_scalars, number, resize_scalars, resize_text, step_scalars
+
+# backend -> (module that must be importable, pip extra that installs it)
+REQUIREMENTS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboardX", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+    "wandb": ("wandb", "wandb"),
+}
+
+
+class TrackerSink(ABC):
+    """Maps records to a tracker's four operations; a backend implements the four hooks."""
+
+    def write(self, record: dict) -> None:
+        kind = record["kind"]
+        if kind == "config":
+            self.log_config(record["config"])
+        elif kind == "step":
+            self.log_scalars(int(record["step"]), step_scalars(record))
+        elif kind == "resize":
+            self.log_scalars(int(record["step"]), resize_scalars(record))
+            self.log_text(int(record["step"]), f"resize.{record['resize_id']}", resize_text(record))
+        elif kind == "eval":
+            self.log_scalars(int(record["step"]), eval_scalars(record))
+        elif kind in ("fault", "recovery"):
+            tag = f"{kind}.step{record['step']}." + (f"device{record['device']}" if kind == "fault"
+                                                     else f"gen{record.get('generation', 0)}")
+            self.log_text(int(record["step"]), tag, event_text(record))
+        elif kind == "summary":
+            self.log_summary(record["summary"])
+
+    @abstractmethod
+    def log_config(self, config: dict) -> None: ...
+
+    @abstractmethod
+    def log_scalars(self, step: int, values: dict[str, float]) -> None: ...
+
+    @abstractmethod
+    def log_text(self, step: int, tag: str, text: str) -> None: ...
+
+    @abstractmethod
+    def log_summary(self, summary: dict) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def summary_scalars(summary: dict) -> dict[str, float]:
+    """The numeric top-level fields of a run summary, as `summary/<field>`."""
+    return {f"summary/{k}": v for k, val in summary.items() if (v := number(val)) is not None}
+
+
+def check_backends(backends: tuple[str, ...] | list[str]) -> None:
+    """Raise ConfigError (one line per backend) for each named backend whose library is missing."""
+    errors = []
+    for name in backends:
+        if name in REQUIREMENTS:
+            module, extra = REQUIREMENTS[name]
+            if importlib.util.find_spec(module) is None:
+                errors.append(f"logging.backends={name!r}: the {module} package is not installed "
+                              f"(pip install 'dynaresize[{extra}]')")
+    if errors:
+        raise ConfigError(errors)
+
+
+def open_sinks(backends: tuple[str, ...] | list[str], run_dir: str | Path, run_name: str | None = None) -> list[Sink]:
+    """One sink per named tracker backend (`jsonl` needs none), writing under `run_dir`."""
+    check_backends(backends)
+    run_dir = Path(run_dir)
+    name = run_name or run_dir.resolve().name
+    sinks: list[Sink] = []
+    for backend in backends:
+        if backend == "tensorboard":
+            from dynaresize.tracking.tensorboard_sink import TensorBoardSink
+
+            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        elif backend == "mlflow":
+            from dynaresize.tracking.mlflow_sink import MLflowSink
+
+            sinks.append(MLflowSink(run_dir / "mlruns", run_name=name))
+        elif backend == "wandb":
+            from dynaresize.tracking.wandb_sink import WandbSink
+
+            sinks.append(WandbSink(run_dir, run_name=name))
+    return sinks
