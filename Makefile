@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-faults bench clean
+.PHONY: setup browser demo test test-slow test-faults bench clean
 
 setup: $(STAMP)
 
@@ -13,16 +13,23 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,tensorboard,mlflow,wandb]'
 	touch $(STAMP)
+
+# Headless Chromium for the test that opens `dynaresize report`'s page (tests/e2e/test_report_browser.py).
+# Installed from Debian where it is missing and we are root; elsewhere that test skips, saying why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; } || \
+	  echo "note: could not install chromium; the report browser test will be skipped"
 
 demo: $(STAMP)
 	$(VENV)/bin/dynaresize run --out runs/demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) browser
 	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q -m slow
 
 # The fault matrix (kill/stop x every fault point) and the resumes on other device counts.

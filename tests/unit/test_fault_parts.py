@@ -41,6 +41,7 @@ def test_faulted_device_outside_the_point_fires_now_and_inside_fires_in_its_call
     assert inj.num_fired == 2
     assert inj.attribute(3).spec.kind == "stop" and inj.attribute(3) is None  # one loss, one fault
     assert inj.attribute(0) is None  # its fault never fired: a loss of device 0 is not injected
+    assert inj.unfired() == ["kill:0@rollout:5"]  # the summary's faults_unfired
 
 
 def _snap(ranges, moments=True):

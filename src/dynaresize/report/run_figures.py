@@ -26,6 +26,10 @@ def _finish(fig: Any, ax: Any, title: str, ylabel: str, xlabel: str = "step") ->
     ax.set_ylabel(ylabel)
     ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)
+    if xlabel == "step":
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
@@ -79,9 +83,9 @@ def reward_figure(steps: list[dict], evals: list[dict]) -> Any:
     if band:
         ax.fill_between([p[0] for p in band], [p[1] - p[2] for p in band], [p[1] + p[2] for p in band],
                         color="#55A868", alpha=0.2, label="+- std")
-    if not evals:
-        return _finish(fig, ax, "Reward", "reward")
     _finish(fig, ax, "Reward", "reward")
+    if not evals:
+        return fig
     ev = axes[1]
     names = sorted({k for r in evals for k in r if k not in ("kind", "step") and not k.endswith("_s")
                     and number(r[k]) is not None})

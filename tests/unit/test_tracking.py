@@ -1,0 +1,176 @@
+"""Experiment trackers (dynaresize.tracking) fed synthetic records, read back with each tool's
+own reader: TensorBoard's EventAccumulator, MLflow's MlflowClient, W&B's offline run files.
+
+The records carry every field a step record may have (the trainer's metrics too), so every
+scalar name docs/records.md documents must come out; a step without some fields just lacks
+those scalars. Also: the `logging.backends` config errors, and a failing sink never stops the
+recorder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from dynaresize.config import build_config
+from dynaresize.errors import ConfigError
+from dynaresize.records import Recorder, read_records
+from dynaresize.report.metrics import RESIZE_SCALARS, STEP_SCALARS, TRAIN_FIELDS, resize_scalars, step_scalars
+from dynaresize.tracking import check_backends, open_sinks
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "records.md"
+NAMES = [n for n, _, _ in STEP_SCALARS + RESIZE_SCALARS]
+
+
+def _step(k: int, **over) -> dict:
+    rec = {"kind": "step", "step": k, "t_start_s": 10.0 * k, "t_end_s": 10.0 * k + 4.0, "rollout_s": 2.5,
+           "train_s": 3.0, "sync_s": 0.5, "num_rollout": 2 + k % 2, "num_train": 2 - k % 2, "idle_device_s": 6.0,
+           "tail_idle_device_s": 2.0, "reward_mean": 0.1 * k, "reward_std": 0.05, "response_len_mean": 20.0 + k,
+           "response_len_max": 40 + k, **{f: 0.01 * (i + 1) + k for i, f in enumerate(TRAIN_FIELDS)}}
+    rec.update(over)
+    return rec
+
+
+RESIZE = {"kind": "resize", "resize_id": 0, "step": 1, "from": {"rollout": [0, 1], "train": [2, 3]},
+          "to": {"rollout": [0, 1, 2], "train": [3]}, "moving": [2], "to_role": "rollout", "critical_s": 0.25,
+          "total_s": 0.75, "reason": "scripted"}
+
+
+def _feed(rec: Recorder, steps: int = 3) -> None:
+    rec.emit("config", config={"steps": steps, "policy": {"name": "scripted"}, "faults": []})
+    for k in range(steps):
+        rec.emit("step", **{f: v for f, v in _step(k).items() if f != "kind"})
+        if k == 1:
+            rec.emit("resize", **{f: v for f, v in RESIZE.items() if f != "kind"})
+            rec.emit("fault", step=1, device=2, fault_kind="kill", point="train", reason="injected")
+    rec.emit("summary", summary={"steps": steps, "samples_per_s": 3.5, "ledger_ok": True, "faults_unfired": []})
+
+
+def test_docs_name_every_scalar_and_every_documented_name_is_emitted():
+    text = DOC.read_text()
+    table = text[text.index("| scalar | record | from | meaning |"):]
+    table = table[:table.index("\n\n")]
+    documented = re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
+    assert documented == NAMES
+    emitted = set(step_scalars(_step(2))) | set(resize_scalars(RESIZE))
+    assert emitted == set(documented)
+
+
+def test_scalars_are_derived_as_documented_and_absent_fields_are_skipped():
+    s = step_scalars(_step(1))
+    assert s["time/step_s"] == 4.0 and s["split/num_rollout"] == 3 and s["split/num_train"] == 1
+    assert s["idle/fraction"] == pytest.approx(6.0 / (4 * 4.0)) and s["idle/tail_fraction"] == pytest.approx(2.0 / 16)
+    bare = {k: v for k, v in _step(0).items() if k not in TRAIN_FIELDS + ("reward_std",)}
+    bare.update(response_len_max=None, reward_mean=float("nan"))  # null / NaN in a record: skipped
+    names = set(step_scalars(bare))
+    assert not any(n.startswith("train/") for n in names)
+    assert "reward/std" not in names and "reward/mean" not in names and "response_len/max" not in names
+    assert "time/rollout_s" in names
+
+
+def test_unknown_or_repeated_backend_is_a_config_error():
+    with pytest.raises(ConfigError) as exc:
+        build_config({"logging": {"backends": "tensorboard,nope,tensorboard"}})
+    assert any("logging.backends='nope'" in e for e in exc.value.errors)
+    assert any("named twice" in e for e in exc.value.errors)
+    assert build_config({"logging": {"backends": "tensorboard,mlflow"}}).logging.backends == ("tensorboard", "mlflow")
+
+
+def test_backend_named_but_not_installed_is_one_line_exit_2_before_anything_is_written(monkeypatch, tmp_path, capsys):
+    import dynaresize.tracking as tracking
+    from dynaresize.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError) as exc:
+        check_backends(("jsonl", "tensorboard", "wandb"))
+    assert exc.value.errors == ["logging.backends='wandb': the wandb package is not installed "
+                                "(pip install 'dynaresize[wandb]')"]
+    out = tmp_path / "r"
+    assert main(["run", "--no-progress", "--out", str(out), "--set", "logging.backends=wandb"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["dynaresize: config error: " + exc.value.errors[0]]
+    assert not out.exists()
+
+
+def _tb_scalars(log_dir: Path) -> tuple[dict[str, dict[int, float]], dict]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}, acc.Tags()
+
+
+def _expected(steps: int = 3) -> dict[str, dict[int, float]]:
+    want: dict[str, dict[int, float]] = {}
+    for k in range(steps):
+        for name, value in step_scalars(_step(k)).items():
+            want.setdefault(name, {})[k] = value
+    for name, value in resize_scalars(RESIZE).items():
+        want.setdefault(name, {})[1] = value
+    return want
+
+
+def test_tensorboard_event_files_hold_every_scalar(tmp_path):
+    pytest.importorskip("tensorboardX", reason="the tensorboard extra is not installed (make setup installs it)")
+    pytest.importorskip("tensorboard", reason="TensorBoard's reader is not installed (the dev extra has it)")
+    with Recorder(tmp_path / "records.jsonl", sinks=open_sinks(["jsonl", "tensorboard"], tmp_path)) as rec:
+        _feed(rec)
+    got, tags = _tb_scalars(tmp_path / "tensorboard")
+    for name, by_step in _expected().items():
+        assert got[name] == pytest.approx(by_step, rel=1e-6), name
+    assert got["summary/samples_per_s"] == {2: 3.5}
+    assert {"events/resize.0/text_summary", "events/fault.step1.device2/text_summary"} <= set(tags["tensors"])
+
+
+def test_mlflow_run_reads_back_with_the_mlflow_client(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed (make setup installs it)")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    with Recorder(tmp_path / "records.jsonl", sinks=open_sinks(["mlflow"], tmp_path, run_name="r1")) as rec:
+        _feed(rec)
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("dynaresize").experiment_id])
+    assert run.info.run_name == "r1" and run.info.status == "FINISHED"
+    for name, by_step in _expected().items():
+        hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+        assert hist == pytest.approx(by_step), name
+    assert run.data.params["policy.name"] == "scripted" and run.data.metrics["summary/samples_per_s"] == 3.5
+    assert run.data.tags["resize.0"].startswith("resize 0 after step 1: 2R:2T -> 3R:1T")
+
+
+def test_wandb_offline_run_files_are_written(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install 'dynaresize[wandb]')")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with Recorder(tmp_path / "records.jsonl", sinks=open_sinks(["wandb"], tmp_path, run_name="r1")) as rec:
+        _feed(rec)
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    (data,) = run_dir.glob("run-*.wandb")
+    blob = data.read_bytes()
+    for name in NAMES + ["summary/samples_per_s", "events"]:
+        assert name.encode() in blob, name
+
+
+class _Broken:
+    closed = False
+
+    def write(self, record: dict) -> None:
+        if record["kind"] == "step":
+            raise OSError("disk full")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_failing_sink_is_dropped_with_one_warning_and_the_records_go_on(tmp_path, capsys):
+    broken = _Broken()
+    with Recorder(tmp_path / "records.jsonl", sinks=[broken]) as rec:
+        _feed(rec)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "_Broken failed (OSError: disk full)" in err[0]
+    assert broken.closed
+    assert [r["kind"] for r in read_records(tmp_path / "records.jsonl")].count("step") == 3
