@@ -46,6 +46,9 @@ def _write_run(out: Path, *, evals: bool = True) -> Path:
                          to_role="rollout" if k == 1 else "train", critical_s=0.02, total_s=0.05, t_s=t0 + 1.8,
                          reason="scripted <b>&</b>")
                 split = new
+            if k == 4:
+                rec.emit("fault", step=k, device=3, fault_kind="kill", point="train", injected=True, detect_s=0.3)
+                rec.emit("recovery", step=k, lost_devices=[3], recovery_s=0.5, num_devices=3, generation=1)
         rec.emit("summary", summary={"steps": STEPS, "ledger_ok": True, "reward_by_step": [0.1] * STEPS,
                                      "faults_unfired": ["kill:2@resize.reshard:9"]})
     if evals:  # eval records (another part of the product may add them): appended as raw lines
@@ -67,6 +70,7 @@ def test_run_report_is_self_contained_and_every_figure_renders_in_chromium(tmp_p
     assert not re.search(r"<(link|iframe)\b|<script[^>]+src=|(href|src)=\"(https?:)?//", text)
     assert "scripted &lt;b&gt;&amp;&lt;/b&gt;" in text  # record text is escaped
     for needle in ("Resizes (2)", "drop_from_train_group", "move_optimizer_shards", "Reward and eval",
+                   "Faults (1) and recoveries (1)",
                    "kill:2@resize.reshard:9", "2R:2T", "3R:1T"):
         assert needle in text, needle
     assert_every_figure_renders(page, expected=7)

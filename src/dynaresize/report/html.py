@@ -100,7 +100,8 @@ def table(head: list[str], rows: list[list[Any]]) -> str:
 
 
 def run_section(page: Page, run: RunRecords, *, max_gantt: int = MAX_GANTT, level: int = 2) -> None:
-    steps = sorted(run.of("step"), key=lambda r: r["step"])
+    # a resumed run may record a step again (rolled back, then run again): its last record is its state
+    steps = sorted({r["step"]: r for r in run.of("step")}.values(), key=lambda r: r["step"])
     resizes, ops, evals = run.of("resize"), run.of("op"), run.of("eval")
     h = f"h{level}"
     page.add(f"<{h}>Summary</{h}>")
@@ -124,6 +125,20 @@ def run_section(page: Page, run: RunRecords, *, max_gantt: int = MAX_GANTT, leve
         page.figure("Work per device over time (resize ops: red hatched critical, grey background)",
                     lambda: timeline_figure(run.records, title=run.name))
     _resizes(page, resizes, ops, max_gantt, h)
+    _faults(page, run, h)
+
+
+def _faults(page: Page, run: RunRecords, h: str) -> None:
+    faults, recoveries = run.of("fault"), run.of("recovery")
+    if not faults and not recoveries:
+        return
+    page.add(f"<{h}>Faults ({len(faults)}) and recoveries ({len(recoveries)})</{h}>")
+    if faults:
+        cols = ["step", "device", "fault_kind", "point", "injected", "detect_s", "reason"]
+        page.add(table(cols, [[r.get(c) for c in cols] for r in faults]))
+    if recoveries:
+        cols = ["step", "lost_devices", "num_devices", "recovery_s", "settle_s", "world_s", "restore_s", "generation"]
+        page.add(table(cols, [[r.get(c) for c in cols] for r in recoveries]))
 
 
 def _idle_totals(steps: list[dict]) -> str:

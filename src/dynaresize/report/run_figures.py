@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynaresize.report.metrics import number, step_scalars
+from dynaresize.report.metrics import eval_scalars, number, step_scalars
 from dynaresize.report.mpl import pyplot
 from dynaresize.report.timeline import COLORS
 
@@ -87,11 +87,10 @@ def reward_figure(steps: list[dict], evals: list[dict]) -> Any:
     if not evals:
         return fig
     ev = axes[1]
-    names = sorted({k for r in evals for k in r if k not in ("kind", "step") and not k.endswith("_s")
-                    and number(r[k]) is not None})
-    for name in names:
-        pts = [(r["step"], number(r.get(name))) for r in evals if number(r.get(name)) is not None]
-        ev.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    values = [(r["step"], eval_scalars(r)) for r in evals]
+    for name in sorted({n for _, v in values for n in v}):
+        pts = [(k, v[name]) for k, v in values if name in v]
+        ev.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name.removeprefix("eval/"))
     return _finish(fig, ev, "Eval", "value")
 
 
