@@ -95,7 +95,8 @@ def test_mlflow_client_reads_the_run_back(lab_run, monkeypatch):
     (mrun,) = client.search_runs([client.get_experiment_by_name("dynaresize").experiment_id])
     assert mrun.info.run_name == "run" and mrun.info.status == "FINISHED"
     for name, by_step in _want(run).items():
-        assert {m.step: m.value for m in client.get_metric_history(mrun.info.run_id, name)} == pytest.approx(by_step), name
+        hist = client.get_metric_history(mrun.info.run_id, name)
+        assert {m.step: m.value for m in hist} == pytest.approx(by_step), name
     assert mrun.data.params["cluster.devices"] == "4"
     assert mrun.data.tags["resize.0"].startswith("resize 0 after step 1: 2R:2T -> 3R:1T")
 

@@ -79,7 +79,8 @@ def test_run_report_is_self_contained_and_every_figure_renders_in_chromium(tmp_p
 def test_report_without_eval_or_resizes_says_so(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    lines = [json.loads(x) for x in (_write_run(tmp_path / "src", evals=False) / "records.jsonl").read_text().splitlines()]
+    src = _write_run(tmp_path / "src", evals=False) / "records.jsonl"
+    lines = [json.loads(x) for x in src.read_text().splitlines()]
     keep = [r for r in lines if r["kind"] not in ("resize", "op")]
     (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in keep))
     assert main(["report", str(run), "--out", str(tmp_path / "page.html")]) == 0

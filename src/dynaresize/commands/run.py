@@ -119,8 +119,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         summary = run_job(cfg, out, progress=not args.no_progress, resume=point)
     except (RunStopped, RewardError) as exc:
-        saved = Path(out) / "summary.json"
-        warn_unfired(json.loads(saved.read_text()) if saved.is_file() else {})
+        saved = Path(out) / "summary.json"  # written by the stop (`stopped` says so), else an older run's
+        stop_summary = json.loads(saved.read_text()) if saved.is_file() else {}
+        warn_unfired(stop_summary if stop_summary.get("stopped") else {})
         print(f"dynaresize: run stopped: {exc}", file=sys.stderr)
         return 1
     print(format_summary(summary, out))

@@ -164,7 +164,8 @@ def _resizes(page: Page, resizes: list[dict], ops: list[dict], max_gantt: int, h
         mine = by_id.get(r["resize_id"], [])
         rows.append([r["resize_id"], r["step"], split_text(r["from"]), split_text(r["to"]), r["moving"], r["to_role"],
                      r["critical_s"], r["total_s"], sum(1 for o in mine if o["critical"]),
-                     sum(1 for o in mine if not o["critical"]), sum(o["bytes"] or 0 for o in mine), r.get("reason", "")])
+                     sum(1 for o in mine if not o["critical"]), sum(o["bytes"] or 0 for o in mine),
+                     r.get("reason", "")])
     page.add(table(["id", "after step", "from", "to", "moving", "to role", "critical s", "total s", "critical ops",
                     "background ops", "bytes", "reason"], rows))
     for i, r in enumerate(resizes):
@@ -178,7 +179,8 @@ def _resizes(page: Page, resizes: list[dict], ops: list[dict], max_gantt: int, h
                        [[o["name"], o["device"], o["start_s"] - t0, o["end_s"] - o["start_s"], o["bytes"],
                          "critical" if o["critical"] else "background"] for o in mine]))
         if i < max_gantt and mine:
-            page.figure(f"Resize {r['resize_id']}: ops from the decision", lambda r=r, mine=mine: rf.resize_figure(r, mine))
+            page.figure(f"Resize {r['resize_id']}: ops from the decision",
+                        lambda r=r, mine=mine: rf.resize_figure(r, mine))
         page.add("</details>")
     if len(resizes) > max_gantt:
         page.add(f'<p class="note">Gantt charts for the first {max_gantt} resizes; the rest have their op tables.</p>')
