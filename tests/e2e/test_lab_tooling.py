@@ -103,6 +103,9 @@ def test_mlflow_client_reads_the_run_back(lab_run, monkeypatch):
 
 @pytest.mark.skipif(not HAVE_WANDB, reason="the wandb extra is not installed (pip install 'dynaresize[wandb]')")
 def test_wandb_offline_run_is_written(lab_run):
+    import wandb
+
+    wandb.teardown()  # the W&B service writes its last block when it ends (at process exit in a real run)
     run, _ = lab_run
     (data,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
     assert b"reward/mean" in data.read_bytes() and b"resize/critical_s" in data.read_bytes()

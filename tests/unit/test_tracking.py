@@ -144,10 +144,11 @@ def test_mlflow_run_reads_back_with_the_mlflow_client(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_run_files_are_written(tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install 'dynaresize[wandb]')")
+    wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install 'dynaresize[wandb]')")
     monkeypatch.setenv("WANDB_SILENT", "true")
     with Recorder(tmp_path / "records.jsonl", sinks=open_sinks(["wandb"], tmp_path, run_name="r1")) as rec:
         _feed(rec)
+    wandb.teardown()  # the W&B service writes its last block when it ends (at process exit in a real run)
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     (data,) = run_dir.glob("run-*.wandb")
     blob = data.read_bytes()
@@ -174,3 +175,11 @@ def test_a_failing_sink_is_dropped_with_one_warning_and_the_records_go_on(tmp_pa
     assert len(err) == 1 and "_Broken failed (OSError: disk full)" in err[0]
     assert broken.closed
     assert [r["kind"] for r in read_records(tmp_path / "records.jsonl")].count("step") == 3
+
+
+def test_a_backend_that_fails_to_start_is_left_out_with_one_warning(tmp_path, capsys):
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed (make setup installs it)")
+    (tmp_path / "mlruns").write_text("a file where the store's folder should be")
+    sinks = open_sinks(["jsonl", "mlflow"], tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert sinks == [] and len(err) == 1 and "logging backend 'mlflow' did not start" in err[0]

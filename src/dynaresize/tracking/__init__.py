@@ -21,6 +21,7 @@ offline, MLflow uses a `file:` store).
 from __future__ import annotations
 
 import importlib.util
+import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -92,22 +93,33 @@ def check_backends(backends: tuple[str, ...] | list[str]) -> None:
 
 
 def open_sinks(backends: tuple[str, ...] | list[str], run_dir: str | Path, run_name: str | None = None) -> list[Sink]:
-    """One sink per named tracker backend (`jsonl` needs none), writing under `run_dir`."""
+    """One sink per named tracker backend (`jsonl` needs none), writing under `run_dir`.
+
+    A backend that is installed but fails to start is left out with one warning on stderr, as
+    the recorder does with one that fails later: a tracker never stops a run.
+    """
     check_backends(backends)
     run_dir = Path(run_dir)
     name = run_name or run_dir.resolve().name
     sinks: list[Sink] = []
-    for backend in backends:
-        if backend == "tensorboard":
-            from dynaresize.tracking.tensorboard_sink import TensorBoardSink
-
-            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-        elif backend == "mlflow":
-            from dynaresize.tracking.mlflow_sink import MLflowSink
-
-            sinks.append(MLflowSink(run_dir / "mlruns", run_name=name))
-        elif backend == "wandb":
-            from dynaresize.tracking.wandb_sink import WandbSink
-
-            sinks.append(WandbSink(run_dir, run_name=name))
+    for backend in (b for b in backends if b != "jsonl"):
+        try:
+            sinks.append(_open(backend, run_dir, name))
+        except Exception as exc:
+            print(f"dynaresize: warning: logging backend {backend!r} did not start ({type(exc).__name__}: {exc}); "
+                  "the run goes on without it", file=sys.stderr)
     return sinks
+
+
+def _open(backend: str, run_dir: Path, name: str) -> Sink:
+    if backend == "tensorboard":
+        from dynaresize.tracking.tensorboard_sink import TensorBoardSink
+
+        return TensorBoardSink(run_dir / "tensorboard")
+    if backend == "mlflow":
+        from dynaresize.tracking.mlflow_sink import MLflowSink
+
+        return MLflowSink(run_dir / "mlruns", run_name=name)
+    from dynaresize.tracking.wandb_sink import WandbSink
+
+    return WandbSink(run_dir, run_name=name)

@@ -4,7 +4,8 @@ Offline always (`mode="offline"`, as `WANDB_MODE=offline`): nothing reaches the 
 later with `wandb sync RUN_DIR/wandb/offline-run-*`. The config goes in as the run config,
 scalars with `step=` (steps only grow: a resize's scalars share its step), text lines into one
 `events` table logged at close, the summary into the run summary. Console capture is off, so the
-driver's stdout and stderr stay as they are.
+driver's stdout and stderr stay as they are. The W&B service process writes the run file's last
+block when it ends (at the driver's exit, or `wandb.teardown()` in a process that goes on).
 """
 
 from __future__ import annotations
