@@ -264,7 +264,7 @@ class Run:
                       response_len_mean=scored.num_tokens / max(1, len(scored.samples)),
                       response_len_max=scored.longest_tokens,
                       rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
-                      recoveries=w.recoveries)
+                      recoveries=w.recoveries, **train_fields(train_stats))
         return report
 
     def _decide(self, step: int, report: StepReport) -> None:
@@ -348,13 +348,22 @@ class Run:
         return summary
 
     def _save_hf(self) -> None:
-        from dynaresize.rl.models import build_model, save_hf
+        """The final weights as an HF folder (tied embeddings stay tied: one tensor, saved once)."""
+        from dynaresize.rl.models import build_model, complete_state_dict, save_hf
 
-        rank = self.assignment.devices(TRAIN)[0]
-        state = self.cluster.wait([(rank, self.cluster.trainer().full_weights.remote())], "export")[0]
+        state = self.cluster.full_weights()
         model = build_model(self.cfg.model)
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(complete_state_dict(state, model), strict=True)
         save_hf(model, self.job.tokenizer, self.out / "checkpoint")
+
+
+def train_fields(stats: list[dict]) -> dict:
+    """A step's training metrics for its record: the loss and its statistics (reduced over the
+    trainers, so every trainer reports the same), and the largest state one trainer held."""
+    first = stats[0]
+    out = {k: first[k] for k in ("loss", "grad_norm", "kl", "entropy", "clip_frac", "lr") if k in first}
+    out["train_state_bytes_max"] = max(int(s.get("train_state_bytes", 0)) for s in stats)
+    return out
 
 
 def _progress(total: int, enabled: bool, initial: int = 0) -> Any:

@@ -162,10 +162,14 @@ def test_set_weights_changes_tokens_and_is_strict(weights):
     eng.set_weights(build_model(CFG).state_dict(), version=1)  # the unperturbed init
     b = eng.generate(_requests()[:1])[0]
     assert a.logprobs != b.logprobs
-    partial = dict(weights)
-    partial.pop("lm_head.weight")
-    with pytest.raises(RuntimeError, match="lm_head"):
-        eng.set_weights(partial, version=2)
+    by_param = {n: weights[n] for n, _ in build_model(CFG).named_parameters()}
+    assert "lm_head.weight" not in by_param  # tied: the alias is filled in by the engine
+    eng.set_weights(by_param, version=2)
+    assert eng.generate(_requests()[:1])[0].logprobs == a.logprobs
+    partial = dict(by_param)
+    partial.pop("model.norm.weight")
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        eng.set_weights(partial, version=3)
 
 
 def test_bad_inputs():

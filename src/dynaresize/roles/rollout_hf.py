@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from dynaresize.config import ModelConfig
-from dynaresize.rl.models import build_model
+from dynaresize.rl.models import build_model, complete_state_dict
 from dynaresize.roles.base import GenRequest, GenResult
 
 
@@ -69,12 +69,13 @@ class HFRolloutEngine:
         return self._model is not None
 
     def set_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Load `state_dict` (all parameters, strictly) and tag later results with `version`."""
+        """Load `state_dict` (every parameter, by `named_parameters` name: a tied weight once,
+        its aliases filled in here) strictly, and tag later results with `version`."""
         if self._model is None:
             self._load_model()
         assert self._model is not None
         with torch.no_grad():
-            self._model.load_state_dict(dict(state_dict), strict=True)
+            self._model.load_state_dict(complete_state_dict(state_dict, self._model), strict=True)
         self.version = int(version)
 
     def release(self) -> None:
@@ -83,22 +84,6 @@ class HFRolloutEngine:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def adopt_model(self, model: torch.nn.Module, version: int) -> None:
-        """Serve an existing model object as is (no copy, no init): a device switching from
-        training hands its compute model, which already holds the current weights, to the
-        engine, so building the engine costs nothing on the resize's critical path."""
-        self._install(model.to(self.device))
-        self.version = int(version)
-
-    def hand_over_model(self) -> torch.nn.Module:
-        """Give the model object away (to a trainer on this device) and become released."""
-        if self._model is None:
-            raise RuntimeError("rollout engine is released: no model to hand over")
-        model, self._model = self._model, None
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
 
     def _load_model(self) -> None:
         self._install(build_model(self.model_cfg).to(self.device))
