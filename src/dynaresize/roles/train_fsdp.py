@@ -225,6 +225,8 @@ class FSDPTrainer:
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """Host copies of every kind's local pieces, concatenated (a snapshot's arrays)."""
+        if self.pending:
+            raise RuntimeError(f"state of rank {self.rank} not loaded yet: {sorted(self.pending)}")
         out = {}
         for kind in self.spec.kinds():
             parts = [t.detach().to("cpu", copy=True) for t in self.pieces(kind) if t.numel()]
