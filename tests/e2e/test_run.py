@@ -139,7 +139,7 @@ def test_bf16_with_kl_schedule_and_clipping_through_resizes(ray_local, tmp_path)
     steps = sorted(read_records(tmp_path / "r" / "records.jsonl", "step"), key=lambda r: r["step"])
     kl, lr = [s["kl"] for s in steps], [s["lr"] for s in steps]
     assert kl[0] == pytest.approx(0.0, abs=1e-6) and all(k > 0 for k in kl[1:])  # policy == reference at first
-    assert lr[0] < lr[1] and lr[1] > lr[2] > lr[3] > lr[4] > lr[5] > 0  # warmup, then cosine decay
+    assert lr[0] < lr[1] == lr[2] > lr[3] > lr[4] > lr[5] > 0  # warmup, then cosine decay from its peak
     assert all(s["grad_norm"] > 0 and 0 <= s["clip_frac"] <= 1 and s["entropy"] > 0 for s in steps)
     by_w = {s["num_train"]: s["train_state_bytes_max"] for s in steps}
     assert set(by_w) == {1, 2, 3} and by_w[1] > by_w[2] > by_w[3]  # sharded: fewer bytes with more trainers
