@@ -80,6 +80,9 @@ class Cluster:
         self.ids: list[int] = list(range(self.num_devices))
         self.generation = 0
         self.faults = FaultInjector(parse_faults(cfg.faults, self.num_devices))
+        self.use_gpu = False  # set by start: NCCL on GPUs
+        self._shapes: list | None = None  # trainable parameter shapes (layout_for)
+        self.deferred_moments: tuple[int, ...] = ()  # NCCL: devices that left training, moments not sent
         self.watchdog = Watchdog(ping=lambda r: self.workers[r].alive.remote(), collective_s=cfg.timeouts.collective_s,
                                  call_s=cfg.timeouts.actor_call_s)
 
@@ -88,6 +91,7 @@ class Cluster:
     def start(self, assignment: Assignment) -> None:
         cfg = self.cfg
         use_gpu = cfg.cluster.backend == "nccl" or (cfg.cluster.backend == "auto" and _cuda_available())
+        self.use_gpu = use_gpu
         if not ray.is_initialized():
             need = math.ceil(self.num_devices * cfg.cluster.cpus_per_device)
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
@@ -270,7 +274,9 @@ class Cluster:
             per[devices[i % len(devices)]].append((i, mb))
         self.reach("train", step, devices)
         refs = [self.workers[d].train.remote(step, per[d], len(micro_batches), total_tokens) for d in devices]
-        stats = self.wait(list(zip(devices, refs)), f"train {step}")
+        leavers, self.deferred_moments = self.deferred_moments, ()  # NCCL: their sends match this step's receives
+        flushed = [(d, self.workers[d].flush_moments.remote()) for d in leavers]
+        stats = self.wait(list(zip(devices, refs)) + flushed, f"train {step}")[:len(devices)]
         return [{**st, "device": self.ids[d]} for d, st in zip(devices, stats)]
 
     def sync_weights(self, version: int, step: int) -> list[dict]:
@@ -334,6 +340,24 @@ class Cluster:
     def param_digest(self) -> str:
         """sha1 of the current full weights (collective over the trainers; deterministic mode)."""
         return self.on_trainers("param_digest", where="digest")
+
+    def layout_for(self, ranks) -> Any:
+        """The trainers' state layout over `ranks` (the backend's: FSDP2 row chunks)."""
+        from dynaresize.reshard.layout import RowChunkLayout
+        from dynaresize.roles.train_fsdp import param_shapes
+
+        if self._shapes is None:
+            self._shapes = param_shapes(self.cfg.model)
+        return RowChunkLayout.of_shapes(self._shapes, tuple(ranks))
+
+    def check_engine_weights(self, digest: str, version: int) -> None:
+        """Deterministic mode: every rollout engine serves exactly the trainers' weights."""
+        rollout = self.assignment.devices(ROLLOUT)
+        got = self.wait([(d, self.workers[d].engine_digest.remote()) for d in rollout], "engine digest")
+        bad = [self.ids[d] for d, g in zip(rollout, got) if g != digest]
+        if bad:
+            raise RuntimeError(f"weight sync of version {version}: engines on devices {bad} do not hold the "
+                               "trainers' weights (digest mismatch)")
 
     def full_weights(self) -> dict:
         """The current full fp32 weights on the driver, by parameter name (tied weights once)."""

@@ -1,6 +1,6 @@
 """GRPO: group-relative advantages, fixed micro-batches, and the clipped policy-gradient loss.
 
-Invariants (DESIGN.md section 3):
+Invariants (what keeps RL semantics fixed under resizes):
 - `group_advantages` normalises each prompt's rewards by that prompt's own mean and std; it
   sees nothing of devices or batches.
 - `micro_batches` fixes micro-batch composition by sample id alone (sorted, then chunked), so

@@ -24,7 +24,7 @@ the micro-batch and the weights; FSDP casts it to fp64 before the reduce-scatter
 accumulates the sharded gradient in fp64, where a sum of fp32 values is exact unless their
 exponents span more than ~29 bits, so every grouping of the same M terms gives the same value;
 the global norm is rounded to fp32 before it scales the gradient; AdamW is elementwise. Tested
-bitwise for W = 1, 2, 3.
+bitwise for W = 1, 2, 3, 4 (tests/dist/test_trainer.py).
 
 Checkpoint and reshard view: the state of kind k (`param`, `exp_avg`, `exp_avg_sq`, and `ref`
 when a frozen reference model is held) is the list of this rank's local shards, flattened
@@ -36,7 +36,6 @@ The frozen reference policy (KL) is a second FSDP module built the same way (no 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -125,6 +124,11 @@ def empty_model(model_cfg: ModelConfig) -> nn.Module:
     with _params_on_meta():
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     return model
+
+
+def param_shapes(model_cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """Shapes of the trainable parameters in flattening order (tied weights once)."""
+    return [tuple(p.shape) for p in empty_model(model_cfg).parameters()]
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -302,11 +306,10 @@ class FSDPTrainer:
             yield name, p.full_tensor().detach().to(torch.float32)
 
     def digest(self) -> str:
-        """sha1 of the full fp32 weights (collective); equal digests mean bit-identical weights."""
-        h = hashlib.sha1()
-        for _, t in self.full_params():
-            h.update(t.cpu().numpy().tobytes())
-        return h.hexdigest()
+        """`weight_sync.weights_digest` of the full fp32 weights (collective over the group)."""
+        from dynaresize.roles.weight_sync import weights_digest
+
+        return weights_digest(self.full_params())
 
     # ------------------------------------------------------------------ one step
 
