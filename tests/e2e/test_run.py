@@ -24,7 +24,7 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def ray_local():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

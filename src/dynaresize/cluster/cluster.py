@@ -97,8 +97,8 @@ class Cluster:
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
             if cfg.cluster.address:
                 kwargs["address"] = cfg.cluster.address
-            else:
-                kwargs["num_cpus"] = max(os.cpu_count() or 1, need)
+            else:  # a Ray of our own, even where another one runs on this machine
+                kwargs.update(address="local", num_cpus=max(os.cpu_count() or 1, need))
             ray.init(**kwargs)
             self._started_ray = True
         self._pg = make_placement_group(self.num_devices, use_gpu=use_gpu, cpus_per_device=cfg.cluster.cpus_per_device)
