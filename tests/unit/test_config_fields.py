@@ -15,9 +15,10 @@ so a new field must come with its proof. Kinds of evidence:
 - `Refused(value, fragment, via)`: building the config (or, with `via`, the consumer that
   meets the field first) raises a `UserError` (ConfigError and friends) whose message holds
   `fragment`, which names the field, for a value this build does not support.
-- `Runtime(test, asserts)`: an existing test that runs the real runtime (Ray workers) and
-  asserts the field's effect; here only its existence is checked (parsed with `ast`). Every
-  field below also has a probe or a refusal; these say where the live effect is checked too.
+- `Runtime(test, asserts)`: an existing test elsewhere (most run the real runtime on Ray
+  workers) that asserts the field's effect; here only its existence is checked (parsed with
+  `ast`, no import). Every field also has a probe or a refusal; these say where the live
+  effect is checked too.
 
 Fields that could be proven neither way would go in `UNPROVEN` (with a reason), and
 `test_unproven_is_exactly_known` pins that set, so it cannot grow silently.
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import ast
 import atexit
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -209,8 +209,10 @@ def _scores(cfg: RunConfig) -> Any:
 # ---------------------------------------------------------------- probes: the controller
 
 
-# Rollout work (device-seconds) of each step: drifting levels with jitter (fixed numbers), so
-# the default hysteresis policy moves both ways and each of its settings changes some decision.
+# Rollout work (device-seconds) of each step: drifting levels with jitter (fixed numbers, found
+# by a search), so the default hysteresis policy moves both ways and each of its settings changes
+# some decision. A change to the policy's internals may need a new sequence (or other alternative
+# values): a probe that sees no change fails, it never passes silently.
 ROLLOUT_WORK = [34.51, 10.65, 12.08, 11.15, 10.68, 10.3, 10.96, 17.3, 17.11, 17.07, 16.45, 17.83, 16.07, 16.55,
                 17.89, 17.35, 16.31, 17.37, 17.29, 15.72, 16.07, 17.24, 15.99, 15.91, 16.52, 15.01, 15.62, 18.0,
                 15.58, 17.41]
@@ -348,7 +350,9 @@ def _sharded(cfg: RunConfig) -> tuple:
     with mock.patch.object(fsdp, "fully_shard", fully_shard), \
             mock.patch("torch.distributed.device_mesh.DeviceMesh", _Mesh):
         model = FSDPTrainer._shard(fake, build_model(cfg.model), trainable=True)
-    on = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    on = "is_activation_checkpointing"
+    if not hasattr(type(model), on):  # transformers 4.x
+        on = "is_gradient_checkpointing"
     return next(model.parameters()).dtype, sorted(set(map(str, policies))), getattr(model, on)
 
 
@@ -597,7 +601,8 @@ EVIDENCE: dict[str, tuple] = {
                       Runtime("tests/e2e/test_run.py::test_deterministic_run_with_resizes_equals_static_run",
                               "with deterministic=true a run with resizes equals the static run (tokens, weights)")),
     "faults": (Probe(["kill:1@train:2"], _faults),
-               Runtime("tests/e2e/test_faults.py::test_trainer_killed_mid_step_recovers_and_equals_the_uninterrupted_run",
+               Runtime("tests/e2e/test_faults.py::"
+                       "test_trainer_killed_mid_step_recovers_and_equals_the_uninterrupted_run",
                        "the configured fault fires: one fault record with that kind, point and device, then recovery")),
     "cluster.devices": (Probe(6, _decisions),),
     "cluster.rollout_devices": (Probe(1, _decisions),),
@@ -614,12 +619,14 @@ EVIDENCE: dict[str, tuple] = {
     "model.vocab_size": (Probe(700, _model),),
     "model.init_seed": (Probe(3, _model),),
     "task.name": (Probe("toy-count:bk", _requests),),
-    "task.prompts_file": (Probe(PROMPTS_FILE, _requests, base={"task": {"reward": "dynaresize.rl.tasks:toy_count_reward"}}),),
+    "task.prompts_file": (Probe(PROMPTS_FILE, _requests,
+                                base={"task": {"reward": "dynaresize.rl.tasks:toy_count_reward"}}),),
     "task.reward": (Probe(LENGTH_REWARD, _scores),),
     "task.on_reward_error": (Probe("zero", _scores, base={"task": {"reward": BROKEN_REWARD}}),),
     "task.chat_template": (Probe(True, _requests, base={"model": {"path": HF_DIR}}),
                            Refused(True, "task.chat_template=True", via=_job),
-                           Runtime("tests/e2e/test_user_model.py::test_prompts_use_the_folder_chat_template_and_are_truncated",
+                           Runtime("tests/e2e/test_user_model.py::"
+                                   "test_prompts_use_the_folder_chat_template_and_are_truncated",
                                    "with a user folder the prompt ids open with its user turn and end with the "
                                    "assistant turn")),
     "rollout.backend": (Refused("vllm", "rollout.backend='vllm': not available in this build", via=_new_engine),
@@ -680,8 +687,9 @@ EVIDENCE: dict[str, tuple] = {
     "timeouts.actor_call_s": (Probe(2000.0, _watchdog),),
     "checkpoint.every_steps": (Probe(5, _checkpoints),),
     "logging.backends": (Probe(["jsonl", "tensorboard"], _sinks),
-                         Runtime("tests/e2e/test_lab_tooling.py::test_tensorboard_reader_finds_every_scalar_of_the_run",
-                                 "a run with logging.backends=tensorboard,... has every scalar in TensorBoard's reader")),
+                         Runtime("tests/e2e/test_lab_tooling.py::"
+                                 "test_tensorboard_reader_finds_every_scalar_of_the_run",
+                                 "with logging.backends=tensorboard,... TensorBoard's reader finds every scalar")),
 }
 
 # Fields neither probed, refused nor checked by a runtime test: path -> why. Pinned below.
@@ -695,6 +703,11 @@ def _cases(kind: type) -> list:
 
 
 # ---------------------------------------------------------------- the tests
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_torch_thread):
+    """The workers' math runs on one thread (`cluster.torch_threads`); so do the probes."""
 
 
 def test_every_field_has_evidence():
