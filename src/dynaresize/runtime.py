@@ -95,6 +95,13 @@ class Run:
         # A policy may name its split from step 0 (static:R, a scripted step-0 entry).
         start = None if state else getattr(policy, "start_rollout", None)
         assignment = Assignment.split(cfg.cluster.devices, cfg.cluster.rollout_devices if start is None else start)
+        why = bounds.why_not(assignment.num_rollout)
+        if why is not None:  # a config error, said before anything starts
+            from dynaresize.errors import ConfigError
+
+            raise ConfigError([f"cluster.rollout_devices={assignment.num_rollout}: the starting split breaks the "
+                               f"policy's bounds ({why}; policy.min_rollout={cfg.policy.min_rollout}, "
+                               f"policy.min_train={cfg.policy.min_train}, policy.move_unit={cfg.policy.move_unit})"])
         controller = Controller(policy=policy, bounds=bounds, assignment=assignment)
         controller.continue_resize_ids(state.get("next_resize_id", 0))  # ids stay unique across a resume
         return controller, assignment
