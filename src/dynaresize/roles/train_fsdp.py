@@ -166,7 +166,10 @@ class FSDPTrainer:
         self.params = [p for _, p in named]
         self.layout = RowChunkLayout.of_shapes([tuple(p.shape) for p in self.params], self.ranks)
         dt = spec.master_dtype
-        self.moments = {k: [torch.zeros_like(p.to_local(), dtype=dt) for p in self.params] for k in MOMENT_KINDS}
+        # A trainer filled by a reshard or restore gets its moments written over: allocating
+        # without zeroing keeps building it (on a resize's critical path) cheap.
+        alloc = torch.zeros_like if init_model is not None else torch.empty_like
+        self.moments = {k: [alloc(p.to_local(), dtype=dt) for p in self.params] for k in MOMENT_KINDS}
         self.pending: set[str] = set() if init_model is not None else set(spec.kinds())
         self._grad_coef: float | None = None
         self.last_state_bytes = self.state_bytes()
