@@ -175,5 +175,5 @@ def test_bad_inputs():
         HFRolloutEngine(CFG, temperature=1.0, batch_rows=0)
     from dynaresize.errors import UserError
 
-    with pytest.raises(UserError, match="vllm"):
-        build_rollout_engine("vllm", CFG, 1.0)
+    with pytest.raises(UserError, match="sglang"):
+        build_rollout_engine("sglang", CFG, 1.0)
