@@ -44,7 +44,7 @@ from dynaresize.reshard.execute import NO_STATS
 from dynaresize.reshard.layout import RowChunkLayout
 from dynaresize.rl import grpo
 from dynaresize.rl.models import build_model
-from dynaresize.roles.base import GenRequest, build_rollout_engine
+from dynaresize.roles.base import GenRequest, resolve_engine, rollout_engine_from_config
 from dynaresize.roles.train_fsdp import MOMENT_KINDS, REF_KIND, FSDPTrainer, TrainerSpec, move_state
 from dynaresize.roles.weight_sync import receive_weights, send_weights
 
@@ -139,9 +139,14 @@ class DeviceWorker(RecoveryMixin):
                            device=self.torch_device, init_model=build_model(self.cfg.model) if init else None)
 
     def _new_engine(self):
-        rc = self.cfg.rollout
-        return build_rollout_engine(rc.backend, self.cfg.model, rc.temperature, batch_rows=rc.batch_rows,
-                                    device=self.torch_device)
+        extra = {"device": self.torch_device} if self._engine_name() == "hf" else {}
+        return rollout_engine_from_config(self.cfg, **extra)
+
+    def _engine_name(self) -> str:
+        """"vllm" or "hf": `rollout.engine` resolved for this run (roles/base.py)."""
+        if getattr(self, "_engine", None) is None:
+            self._engine = resolve_engine(self.cfg)
+        return self._engine
 
     def _old_logprobs(self) -> str:
         """Where the PPO ratio's behaviour log-probs come from (`train.old_logprobs`). `auto`:
@@ -150,7 +155,7 @@ class DeviceWorker(RecoveryMixin):
         mode = self.cfg.train.old_logprobs
         if mode != "auto":
             return mode
-        exact = self.cfg.rollout.backend == "hf" and self.cfg.train.dtype == "fp32"
+        exact = self._engine_name() == "hf" and self.cfg.train.dtype == "fp32"
         return "engine" if exact else "recompute"
 
     def start_train(self, train_ranks: Sequence[int]) -> dict:
@@ -397,7 +402,7 @@ class DeviceWorker(RecoveryMixin):
 
     def engine_digest(self) -> str:
         """Digest of the weights the rollout engine serves (compared with the trainers')."""
-        return self.engine.weights_digest()
+        return self.engine.weights_digest([n for n, _ in self._model_specs()])
 
     def trainer_scalars(self) -> dict:
         return self.trainer.scalars()
