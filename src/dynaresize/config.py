@@ -97,6 +97,7 @@ class RolloutConfig:
     vllm_max_model_len: int = 0  # vllm engine: longest prompt + response in tokens; 0: the model's own limit
     max_prompt_tokens: int = 512  # longer prompts keep their last this-many tokens
     vllm_kv_cache_bytes: int = 256 << 20  # vllm engine: KV cache per rollout device; 0: vLLM sizes it
+    engine_release: str = "teardown"  # a device leaving rollout: teardown (memory freed) | park (kept warm)
 
     RENAMED_FIELDS: typing.ClassVar[dict[str, str]] = {"backend": "engine"}  # old key -> new (refused)
 
@@ -110,6 +111,8 @@ class RolloutConfig:
             err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         err.need(self.temperature > 0, "temperature", self.temperature, "must be > 0")
         err.need(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
+        err.need(self.engine_release in ("teardown", "park"), "engine_release", self.engine_release,
+                 "must be teardown or park")
         err.need(self.vllm_max_model_len == 0 or self.vllm_max_model_len >= 2, "vllm_max_model_len",
                  self.vllm_max_model_len, "must be 0 (the model's limit) or >= 2")
         err.need(self.vllm_kv_cache_bytes == 0 or self.vllm_kv_cache_bytes >= 1 << 20, "vllm_kv_cache_bytes",

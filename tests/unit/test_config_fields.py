@@ -409,6 +409,20 @@ def _vllm_kwargs(cfg: RunConfig) -> dict:
         return base.rollout_engine_from_config(cfg).engine_kwargs()
 
 
+def _release_engine(cfg: RunConfig) -> tuple:
+    """`DeviceWorker.release_engine` on a loaded engine: whether memory was freed, and whether
+    the engine is still loaded (kept warm) afterwards."""
+    from dynaresize.cluster.worker import DeviceWorker
+    from dynaresize.rl.models import build_model
+
+    worker = DeviceWorker.__new__(DeviceWorker)
+    worker.cfg, worker.torch_device, worker._faults, worker._parked = cfg, torch.device("cpu"), [], None
+    engine = worker.engine = _new_engine(cfg)
+    engine.set_weights(build_model(cfg.model).state_dict(), 0)
+    out = worker.release_engine(0)
+    return out["memory_freed"], engine.loaded, worker._parked is engine
+
+
 def _new_engine(cfg: RunConfig) -> Any:
     from dynaresize.cluster.worker import DeviceWorker
 
@@ -651,10 +665,10 @@ EVIDENCE: dict[str, tuple] = {
                                    "test_prompts_use_the_folder_chat_template_and_are_truncated",
                                    "with a user folder the prompt ids open with its user turn and end with the "
                                    "assistant turn")),
-    "rollout.engine": ((Probe("vllm", _engine_class),) if HAVE_VLLM
+    "rollout.engine": ((Probe("hf", _engine_class, base={**VLLM_MODEL, "rollout": {"engine": "vllm"}}),) if HAVE_VLLM
                        else (Refused("vllm", "rollout.engine='vllm': the vllm package is not installed"),))
-                      + (Probe("hf", _engine_class, base={"deterministic": False}) if HAVE_VLLM
-                         else Refused("sglang", "rollout.engine='sglang': must be one of"),),
+                      + (Refused("sglang", "rollout.engine='sglang': must be one of"),),
+    "rollout.engine_release": (Probe("park", _release_engine),),
     "rollout.vllm_max_num_seqs": (Probe(5, _vllm_kwargs, base=VLLM_MODEL),),
     "rollout.vllm_max_model_len": (Probe(300, _vllm_kwargs, base=VLLM_MODEL),),
     "rollout.vllm_kv_cache_bytes": (Probe(3 << 20, _vllm_kwargs, base=VLLM_MODEL),),

@@ -77,6 +77,7 @@ class DeviceWorker(RecoveryMixin):
         self.pool: CommPool | None = None
         self.trainer: FSDPTrainer | None = None
         self.engine = None
+        self._parked = None  # an engine kept warm while this device trains (rollout.engine_release=park)
         self.train_ranks: tuple[int, ...] = ()
         self._specs: list | None = None
         self._full: dict[str, torch.Tensor] | None = None  # full weights held for the engine to start with
@@ -367,10 +368,13 @@ class DeviceWorker(RecoveryMixin):
         if self._full is None or self._full_version != version:
             raise RuntimeError(f"device {self.device}: no full weights of version {version} to load")
         state, self._full = self._full, None
-        self.engine = self._new_engine()
-        self.engine.set_weights(state, version)
+        woke = self._parked is not None
+        self.engine, self._parked = (self._parked, None) if woke else (self._new_engine(), None)
+        if woke and hasattr(self.engine, "unpark"):
+            self.engine.unpark()
+        self.engine.set_weights(state, version)  # in place when woken, else a start
         self.role = "rollout"
-        return {"t0": t0, "t1": time.time()}
+        return {"t0": t0, "t1": time.time(), "woke": woke}
 
     def alloc_kv_cache(self) -> dict:
         """Train -> rollout: the engine's KV cache (what the engine reserves ahead, if anything)."""
@@ -389,12 +393,18 @@ class DeviceWorker(RecoveryMixin):
         boundary: the driver drained it)."""
         self._maybe_fault("resize.switch", step)
         t0 = time.time()
-        if self.engine is not None:
+        freed = True
+        if self.engine is not None and self.cfg.rollout.engine_release == "park":
+            # Kept warm for the next move to rollout; where the engine cannot free memory while
+            # parked (vLLM on CPU, the HF engine) its memory stays in use.
+            freed = bool(self.engine.park()) if hasattr(self.engine, "park") else False
+            self._parked = self.engine
+        elif self.engine is not None:
             self.engine.release()
         self.engine, self.role = None, "joining"
         if self.torch_device.type == "cuda":
             torch.cuda.empty_cache()
-        return {"t0": t0, "t1": time.time()}
+        return {"t0": t0, "t1": time.time(), "memory_freed": freed}
 
     def param_digest(self) -> str:
         """sha1 of the full weights (collective over the training group)."""
