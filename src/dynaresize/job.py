@@ -4,7 +4,7 @@ Runs in the driver. Everything here is a function of (config, step, sample id): 
 many devices each pool has. That is what keeps RL semantics fixed under resizes:
 - the prompts of step k and their order come from `rl.data.prompts_for_step(seed, k)`;
 - sample (k, p, s) gets seed `rl.seeds.sample_seed(seed, k, p, s)` and, in synthetic-length
-  mode, the forced length `sim.workload.sample_lengths(...)[p][s]`;
+  mode, the forced length `workload.sample_lengths(...)[p][s]` (keyed by absolute step);
 - the samples of one prompt form one group, the unit the router dispatches, so an engine batch
   always holds the same samples;
 - advantages are normalised per prompt group, and micro-batches are fixed by sample id.
@@ -50,10 +50,10 @@ class Job:
         rc = self.cfg.rollout
         lengths = None
         if rc.synthetic_lengths:
-            from dynaresize.sim.workload import sample_lengths
+            from dynaresize.workload import sample_lengths
 
             lengths = sample_lengths(rc.length_workload, step, rc.prompts_per_step, rc.samples_per_prompt,
-                                     rc.max_new_tokens, self.cfg.seed, num_steps=self.cfg.steps)
+                                     rc.max_new_tokens, self.cfg.seed)
         groups = []
         for p, (prompt_index, record) in enumerate(self.step_prompts(step)):
             ids = self._encode(record)

@@ -155,3 +155,135 @@ def expected_max(a, b, sd):
     cdf = 0.5 * (1.0 + _erf(z / math.sqrt(2.0)))
     clark = a * cdf + b * (1.0 - cdf) + sd * pdf
     return np.where(sd > 1e-12, clark, np.maximum(a, b))
+
+
+# ---------------------------------------------------------------- streaming pipeline (eta >= 2)
+
+
+def expected_max_of(sorted_lengths: np.ndarray, sizes) -> np.ndarray:
+    """E[max of m samples drawn without replacement] from `sorted_lengths` (ascending), for each
+    m in `sizes`: sum over i >= m of L_(i) * C(i-1, m-1) / C(n, m) (1-indexed order statistics)."""
+    L = np.asarray(sorted_lengths, dtype=np.float64)
+    n = L.size
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if n == 0:
+        return np.zeros(sizes.shape)
+    lf = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, n + 1, dtype=np.float64)))])
+    i = np.arange(1, n + 1)
+    out = np.empty(sizes.shape, dtype=np.float64)
+    for k, m in enumerate(np.clip(sizes, 1, n)):
+        ii = i[m - 1:]
+        logw = (lf[ii - 1] - lf[m - 1] - lf[ii - m]) - (lf[n] - lf[m] - lf[n - m])
+        out[k] = float(np.dot(L[m - 1:], np.exp(logw)))
+    return out
+
+
+class StreamStageModel:
+    """A throughput model of the streaming pipeline (staleness eta >= 2), fitted from reports.
+
+    A step's rollout is cut into shares of m = ceil(B / replicas) samples (replicas = R / the
+    move unit, the rollout TP size); a replica runs one share at a time. The rollout pool's
+    device-seconds per step at R rollout devices:
+
+        D_roll(R) = W + shares(R) * (kappa * E[max of m(R) lengths] + pull)
+
+    W: the step's non-serial work (KV reads, compute: it does not depend on R); pull: one weight
+    pull per share; kappa * E[max ...]: a share's serial decode steps (its longest response),
+    E[max] computed from the step's response lengths (order statistics), kappa calibrated on
+    the measured serial time. A bigger pool cuts smaller shares, whose longest response is
+    shorter: the tail is no floor, only a cost per share. Training: D_train device-seconds + a
+    fixed c + the publish. The period (seconds per step) is throughput-bound:
+
+        P(R) = max( D_roll(R) / R,  c + D_train / (N - R) + publish )
+
+    i.e. rollout samples/s per device against training samples/s per device. The window
+    (a step's rollout latency must fit in eta periods) is not modelled: with even shares the
+    simulated period follows this max within a few percent (docs/pipeline.md).
+
+    Each report gives one D_roll curve over all splits; the model keeps the last `window`
+    curves (level) and `trend_window` (least-squares trend per split, extrapolated `ahead`
+    steps past the level's own lag); training likewise.
+    """
+
+    def __init__(self, move_unit: int = 1, window: int = 5, trend_window: int = 20) -> None:
+        self.unit = max(int(move_unit), 1)
+        self.window = window
+        self.trend_window = trend_window
+        self._curves: list[np.ndarray] = []  # D_roll per split, one per report
+        self.train_c = RollingWindow(window)
+        self.train_d = RollingWindow(window)
+        self.train_d_trend = RollingWindow(trend_window)
+        self.publish = RollingWindow(window)
+        self.roll_obs = RollingWindow(trend_window)  # D_roll at the split of each report, for its noise
+        self.num_reports = 0
+        self._splits: np.ndarray | None = None
+
+    def update(self, report: StepReport, splits) -> None:
+        self.num_reports += 1
+        splits = np.asarray(splits, dtype=np.int64)
+        if self._splits is None or self._splits.shape != splits.shape or np.any(self._splits != splits):
+            self._splits, self._curves = splits, []
+        n = max(report.num_train, 1)
+        c = min(max(report.train_fixed_s, 0.0), report.train_s)
+        d = max(report.train_s - c, 0.0) * n
+        self.train_c.push(c)
+        self.train_d.push(d)
+        self.train_d_trend.push(d)
+        self.publish.push(max(report.sync_s, 0.0))
+        self._curves.append(self._roll_curve(report, splits))
+        self._curves = self._curves[-self.trend_window:]
+
+    def _roll_curve(self, report: StepReport, splits: np.ndarray) -> np.ndarray:
+        """D_roll at every split, from one report."""
+        B = max(report.num_samples, len(report.response_lengths), 1)
+        chunks = max(report.rollout_chunks, 1)
+        slots = report.rollout_slots if report.rollout_slots > 0 else B
+        serial = max(report.rollout_serial_s, 0.0)
+        work_ns = max(report.rollout_work_s - serial, 0.0)
+        pull = max(report.rollout_sync_s, 0.0) / chunks
+        reps = np.maximum(splits // self.unit, 1)
+        share = np.minimum(slots, -(-B // reps))
+        shares = -(-B // share)
+        if report.response_lengths:
+            lengths = np.sort(np.asarray(report.response_lengths, dtype=np.float64))
+            m_now = min(slots, -(-B // chunks))
+            sizes = np.unique(np.concatenate([share, [m_now]]))
+            emax = dict(zip(sizes.tolist(), expected_max_of(lengths, sizes).tolist()))
+            kappa = serial / (chunks * emax[m_now]) if emax[m_now] > 0 else 0.0
+            per_share = kappa * np.array([emax[int(m)] for m in share])
+        else:  # no lengths reported: a share's serial part is taken as the measured one
+            per_share = np.full(splits.shape, serial / chunks)
+        return work_ns + shares * (per_share + pull)
+
+    def _level_trend(self, ahead: float) -> np.ndarray:
+        ys = np.array(self._curves)
+        recent = ys[-self.window:].mean(axis=0)
+        k = ys.shape[0]
+        if k < 3:
+            return recent
+        x = np.arange(k) - (k - 1) / 2.0
+        slope = (x[:, None] * (ys - ys.mean(axis=0))).sum(axis=0) / (x * x).sum()
+        lag = (min(self.window, k) - 1) / 2.0  # the recent mean sits this many steps back
+        return np.maximum(recent + slope * (ahead + lag), 0.0)
+
+    def parts(self, splits, num_devices: int, ahead: float = 0.0) -> dict[str, np.ndarray]:
+        """Rollout and training seconds per step at each split."""
+        splits = np.asarray(splits, dtype=np.int64)
+        if self._splits is None or not self._curves or splits.shape != self._splits.shape:
+            raise ValueError("no reports for these splits yet")
+        r = np.maximum(splits.astype(np.float64), 1.0)
+        n = np.maximum(num_devices - r, 1.0)
+        lag = (min(self.window, len(self.train_d)) - 1) / 2.0
+        d_train = max(self.train_d.mean() + self.train_d_trend.slope() * (ahead + lag), 0.0)
+        return {"rollout": self._level_trend(ahead) / r,
+                "train": self.train_c.mean() + d_train / n + self.publish.mean()}
+
+    def step_curve(self, splits, num_devices: int, ahead: float = 0.0) -> np.ndarray:
+        """Predicted seconds per step (the period) at each split."""
+        p = self.parts(splits, num_devices, ahead)
+        return np.maximum(p["rollout"], p["train"])
+
+    def step_s(self, num_rollout: int, num_devices: int, ahead: float = 0.0) -> float:
+        splits = self._splits
+        i = int(np.argmin(np.abs(splits - num_rollout)))
+        return float(self.step_curve(splits, num_devices, ahead)[i])
