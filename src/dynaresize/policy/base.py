@@ -11,6 +11,8 @@ Optional attributes the controller and the simulator read with `getattr` (absent
 - `start_rollout: int | None` (None): the rollout pool size the policy wants from step 0 (a
   runtime starts there when it can; `static:R`, a scripted step-0 entry, the simulator's pilot);
 - `lends: bool` (False): the simulator lends idle trainers to rollout inside each step;
+- `reads_response_lengths: bool` (True): False lets a runtime leave `StepReport.response_lengths`
+  empty (the simulator's sweeps skip building them);
 - `on_bounds(bounds)`: called when the bounds change (devices lost).
 """
 

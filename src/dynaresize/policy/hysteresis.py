@@ -49,7 +49,7 @@ class Hysteresis:
         self.stream = self.staleness >= 2
         if self.stream:
             self.model = StreamStageModel(move_unit=bounds.move_unit, window=window,
-                                          trend_window=max(cfg.horizon_steps, 3))
+                                          trend_window=max(cfg.horizon_steps, 3), staleness=self.staleness)
         else:
             self.model = OnlineStageModel(window=window, trend_window=max(cfg.horizon_steps, 3))
         self.persist = Persistence()

@@ -161,13 +161,15 @@ def _static_sweep(table, sweep, scenario: Scenario) -> list[dict] | None:
     """samples/s of every fixed split the best-static sweep tried (None when it did not run)."""
     n = scenario.total_samples()
     if sweep is not None:
-        totals = sweep[2]
-    elif table is not None:
+        totals, bound = sweep[2], sweep[3]
+        return [{"rollout_devices": r, "total_time_s": totals.get(r), "lower_bound_s": bound[r],
+                 "samples_per_s": n / totals[r] if r in totals and totals[r] > 0 else None}
+                for r in sorted(bound)]
+    if table is not None:
         totals = dict(zip(table.splits, table.static_total().tolist()))
-    else:
-        return None
-    return [{"rollout_devices": r, "total_time_s": t, "samples_per_s": n / t if t > 0 else 0.0}
-            for r, t in sorted(totals.items())]
+        return [{"rollout_devices": r, "total_time_s": t, "samples_per_s": n / t if t > 0 else 0.0}
+                for r, t in sorted(totals.items())]
+    return None
 
 
 def _build(name: str, cfg: PolicyConfig, bounds, scenario: Scenario, stages, pilot: int, table, sweep=None,

@@ -41,7 +41,7 @@ class RolloutTime:
     num_replicas: int
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ChunkTime:
     """A contiguous range of a batch's samples run together on one replica (the streaming
     pipeline's unit of dispatch)."""

@@ -140,6 +140,7 @@ class StreamEngine:
         self.res = PolicyResult(policy=policy.name, num_devices=self.N, num_steps=self.K, start_rollout=start_rollout,
                                 staleness=self.eta, partial=self.partial, max_staleness=0)
         self.reversal_window = reversal_window
+        self.lengths_wanted = bool(getattr(policy, "reads_response_lengths", True))
         self.pull_s = stages.sync_s
         self._heap: list = []
         self._seq = 0
@@ -507,7 +508,7 @@ class StreamEngine:
                             rollout_longest_tokens=int(lengths.max()) if lengths.size else 0,
                             rollout_chunks=st.chunks, rollout_slots=st.slots, rollout_serial_s=st.serial_s,
                             rollout_sync_s=st.sync_s,
-                            response_lengths=tuple(lengths.tolist()))
+                            response_lengths=tuple(lengths.tolist()) if self.lengths_wanted else ())
         self.measured_cost = None
         self.last_report_s = now
         return report
