@@ -114,6 +114,8 @@ def test_simulate_streaming_pipeline(tmp_path, capsys):
         assert 0 <= r["idle_fraction"] < 1
     steps = list(read_records(out / "hysteresis" / "records.jsonl", "step"))
     assert len(steps) == 16 and all(s["step"] - s["version"] <= 2 for s in steps)
+    ref = doc["best_static_staleness_1"]  # the one-step-off best-static of the same job, for the gain
+    assert ref["samples_per_s"] > 0 and isinstance(ref["rollout_devices"], int)
     assert "streaming pipeline, staleness 2, partial rollout" in capsys.readouterr().out
 
 

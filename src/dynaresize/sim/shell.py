@@ -109,8 +109,12 @@ def simulate(scenario: Scenario, policies: list[str], cfg: PolicyConfig = Policy
     bar = _progress(total_work, progress)
     tick = (lambda _k: (bar.update(1) if bar else None, on_progress(1) if on_progress else None))
     table = sweep = None
+    reference = None
     if need_table and stream:
         sweep = stream_best_static(scenario, stages, bounds, splits, staleness, partial, on_run=tick)
+        r1, total1 = best_static(build_table(stages, splits, N, K))  # the one-step-off pipeline's
+        reference = {"rollout_devices": r1, "total_time_s": total1,
+                     "samples_per_s": scenario.total_samples() / total1 if total1 > 0 else 0.0}
     elif need_table:
         table = build_table(stages, splits, N, K, on_step=tick)
     out = Path(out_dir) if out_dir is not None else None
@@ -148,6 +152,8 @@ def simulate(scenario: Scenario, policies: list[str], cfg: PolicyConfig = Policy
            "grid": len(splits) < len(bounds.splits()), "reversal_window_steps": cfg.horizon_steps,
            "resize_cost_model": resize_cost_table(scenario, bounds, pilot), "staleness": staleness,
            "partial": partial, "static_sweep": _static_sweep(table, sweep, scenario), "results": results}
+    if reference is not None:
+        doc["best_static_staleness_1"] = reference  # same workload and devices, one-step-off
     if out is not None:
         (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
         if write_plots:
@@ -216,6 +222,11 @@ def format_table(doc: dict) -> str:
         lines.append(f"{r['policy']:<18}{r['samples_per_s']:>11.2f}{rel:>9}{r['total_time_s'] / 3600:>9.2f}"
                      f"{r['idle_fraction']:>7.1%}{r['tail_idle_fraction']:>7.1%}{r['resizes']:>9}{r['reversals']:>5}"
                      f"{r['rollout_devices_final']:>7}")
+    ref = doc.get("best_static_staleness_1")
+    if ref:
+        lines.append(f"best-static of the one-step-off pipeline (staleness 1): {ref['samples_per_s']:.2f} samples/s at "
+                     f"{ref['rollout_devices']} rollout devices; "
+                     + ", ".join(f"{r['policy']} {r['samples_per_s'] / ref['samples_per_s']:.3f}x" for r in results))
     cost = doc.get("resize_cost_model", {})
     parts = [f"{k} critical {v['critical_s']:.2f}s total {v['total_s']:.2f}s" for k, v in cost.items()]
     if parts:
