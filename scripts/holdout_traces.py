@@ -52,7 +52,8 @@ def main() -> int:
             batches.append(Batch(lengths, np.full(lengths.shape, spec.prompt_tokens, dtype=np.int64)))
         path = args.out / f"{name}.jsonl"
         write_trace(path, batches)
-        print(f"wrote {path}: {args.steps} steps x {args.samples} samples, max {max(int(b.response_tokens.max()) for b in batches)} tokens")
+        longest = max(int(b.response_tokens.max()) for b in batches)
+        print(f"wrote {path}: {args.steps} steps x {args.samples} samples, longest {longest} tokens")
     return 0
 
 

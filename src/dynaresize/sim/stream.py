@@ -458,10 +458,10 @@ class StreamEngine:
             t0 = pre_base if (join_off is not None and op.start_s < join_off) else base
             self.rec.emit("op", resize_id=plan.resize_id, name=op.name, device=op.device, start_s=t0 + op.start_s,
                           end_s=t0 + op.end_s, bytes=op.bytes, critical=op.critical)
-        self.rec.emit("resize", resize_id=plan.resize_id, step=k, **{"from": plan.src.to_json(), "to": plan.dst.to_json()},
-                      moving=list(plan.moving), to_role=plan.to_role, critical_s=timing.critical_s,
-                      total_s=timing.total_s, bytes=timing.bytes_moved, reason=plan.reason, drain_s=drain_s,
-                      stall_device_s=stall_device_s)
+        ends = {"from": plan.src.to_json(), "to": plan.dst.to_json()}
+        self.rec.emit("resize", resize_id=plan.resize_id, step=k, **ends, moving=list(plan.moving),
+                      to_role=plan.to_role, critical_s=timing.critical_s, total_s=timing.total_s,
+                      bytes=timing.bytes_moved, reason=plan.reason, drain_s=drain_s, stall_device_s=stall_device_s)
 
     # ------------------------------------------------------------------ accounting
 
