@@ -61,7 +61,7 @@ def test_every_planned_op_is_recorded_with_its_time(vllm_pair):
     from dynaresize.records import read_records
 
     d, _ = vllm_pair["scripted"]
-    ops = read_records(d / "records.jsonl", "op")
+    ops = list(read_records(d / "records.jsonl", "op"))
     for resize in read_records(d / "records.jsonl", "resize"):
         plan = planner.plan_resize(resize_id=0, step=0, src=_assignment(resize["from"]),
                                    target_rollout=len(resize["to"]["rollout"]))
