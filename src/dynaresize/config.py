@@ -97,7 +97,7 @@ class RolloutConfig:
     vllm_max_model_len: int = 0  # vllm engine: longest prompt + response in tokens; 0: the model's own limit
     max_prompt_tokens: int = 512  # longer prompts keep their last this-many tokens
     vllm_kv_cache_bytes: int = 256 << 20  # vllm engine: KV cache per rollout device; 0: vLLM sizes it
-    engine_release: str = "teardown"  # a device leaving rollout: teardown (memory freed) | park (kept warm)
+    engine_release: str = "park"  # a device leaving rollout: park (kept warm; GPU: sleep frees it) | teardown
 
     RENAMED_FIELDS: typing.ClassVar[dict[str, str]] = {"backend": "engine"}  # old key -> new (refused)
 

@@ -668,7 +668,7 @@ EVIDENCE: dict[str, tuple] = {
     "rollout.engine": ((Probe("hf", _engine_class, base={**VLLM_MODEL, "rollout": {"engine": "vllm"}}),) if HAVE_VLLM
                        else (Refused("vllm", "rollout.engine='vllm': the vllm package is not installed"),))
                       + (Refused("sglang", "rollout.engine='sglang': must be one of"),),
-    "rollout.engine_release": (Probe("park", _release_engine),),
+    "rollout.engine_release": (Probe("teardown", _release_engine),),
     "rollout.vllm_max_num_seqs": (Probe(5, _vllm_kwargs, base=VLLM_MODEL),),
     "rollout.vllm_max_model_len": (Probe(300, _vllm_kwargs, base=VLLM_MODEL),),
     "rollout.vllm_kv_cache_bytes": (Probe(3 << 20, _vllm_kwargs, base=VLLM_MODEL),),

@@ -140,6 +140,13 @@ class DeviceWorker(RecoveryMixin):
                            device=self.torch_device, init_model=build_model(self.cfg.model) if init else None)
 
     def _new_engine(self):
+        """The rollout engine this device serves with: the parked one woken when there is one
+        (one vLLM engine per process), else a new one (started by its first `set_weights`)."""
+        if self._parked is not None:
+            engine, self._parked = self._parked, None
+            if hasattr(engine, "unpark"):
+                engine.unpark()
+            return engine
         extra = {"device": self.torch_device} if self._engine_name() == "hf" else {}
         return rollout_engine_from_config(self.cfg, **extra)
 
@@ -369,9 +376,7 @@ class DeviceWorker(RecoveryMixin):
             raise RuntimeError(f"device {self.device}: no full weights of version {version} to load")
         state, self._full = self._full, None
         woke = self._parked is not None
-        self.engine, self._parked = (self._parked, None) if woke else (self._new_engine(), None)
-        if woke and hasattr(self.engine, "unpark"):
-            self.engine.unpark()
+        self.engine = self._new_engine()
         self.engine.set_weights(state, version)  # in place when woken, else a start
         self.role = "rollout"
         return {"t0": t0, "t1": time.time(), "woke": woke}
