@@ -57,6 +57,13 @@ class Job:
         if rc.max_prompt_tokens + rc.max_new_tokens > limit:
             errors.append(f"rollout.max_prompt_tokens={rc.max_prompt_tokens}: plus rollout.max_new_tokens="
                           f"{rc.max_new_tokens} exceeds the model's max_position_embeddings ({limit})")
+        if rc.synthetic_lengths:
+            from dynaresize.sim.workload import get_workload
+
+            try:
+                get_workload(rc.length_workload)
+            except ConfigError as exc:
+                errors.append(f"rollout.length_workload={rc.length_workload!r}: {exc.errors[0].split(': ', 1)[-1]}")
         if errors:
             raise ConfigError(errors)
 

@@ -9,7 +9,7 @@ Top loop (`Run.run`), one window per step k:
 With `train.staleness = 0` the rollout of k+1 starts after the sync instead (synchronous).
 The same `Controller` drives the simulator; both emit the same records (docs/records.md).
 
-Semantics (DESIGN.md section 3) are kept by `Job` (what to generate and how to score is a
+Semantics (README.md, "How it works") are kept by `Job` (what to generate and how to score is a
 function of sample ids only) and proven by the `Ledger`, whose verdict is `ledger_ok`.
 
 Faults (docs/faults.md): a window is a list of phases (`stepstate.Window`); a lost device
@@ -45,6 +45,9 @@ from dynaresize.rl import grpo
 from dynaresize.stepstate import StepRollout, Window, rollout_version
 from dynaresize.tracking import check_backends, open_sinks
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan, StepReport
+
+
+OP_EXTRAS = ("peak_staging_bytes", "kv_cache_bytes")  # op-record fields only some ops have
 
 
 class Run:
@@ -94,6 +97,13 @@ class Run:
         # A policy may name its split from step 0 (static:R, a scripted step-0 entry).
         start = None if state else getattr(policy, "start_rollout", None)
         assignment = Assignment.split(cfg.cluster.devices, cfg.cluster.rollout_devices if start is None else start)
+        why = bounds.why_not(assignment.num_rollout)
+        if why is not None:  # a config error, said before anything starts
+            from dynaresize.errors import ConfigError
+
+            raise ConfigError([f"cluster.rollout_devices={assignment.num_rollout}: the starting split breaks the "
+                               f"policy's bounds ({why}; policy.min_rollout={cfg.policy.min_rollout}, "
+                               f"policy.min_train={cfg.policy.min_train}, policy.move_unit={cfg.policy.move_unit})"])
         controller = Controller(policy=policy, bounds=bounds, assignment=assignment)
         controller.continue_resize_ids(state.get("next_resize_id", 0))  # ids stay unique across a resume
         return controller, assignment
@@ -164,6 +174,8 @@ class Run:
             w.synced = self.cluster.sync_weights(version=step + 1, step=step)
             self.engine_version = step + 1
             w.digest = self.cluster.param_digest() if cfg.deterministic else None
+            if w.digest is not None:
+                self.cluster.check_engine_weights(w.digest, step + 1)
         if nxt and not overlap:
             self._rollout(step + 1)
         if not w.reported:
@@ -302,7 +314,7 @@ class Run:
         for op in o.ops:
             self.rec.emit("op", resize_id=plan.resize_id, name=op["name"], device=op["device"],
                           start_s=self.rel(op["t0"]), end_s=self.rel(op["t1"]), bytes=op["bytes"],
-                          critical=op["critical"])
+                          critical=op["critical"], **{k: op[k] for k in OP_EXTRAS if k in op})
         total_end = max(op["t1"] for op in o.ops)
         as_ids = lambda a: {k: [ids[r] for r in v] for k, v in a.to_json().items()}  # noqa: E731
         rec = self.rec.emit("resize", resize_id=plan.resize_id, step=plan.step, **{"from": as_ids(plan.src)},

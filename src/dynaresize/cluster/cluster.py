@@ -83,6 +83,9 @@ class Cluster:
         self.node_addresses: dict[str, tuple[str, int]] = {}
         self.generation = 0
         self.faults = FaultInjector(parse_faults(cfg.faults, self.num_devices))
+        self.use_gpu = False  # set by start: NCCL on GPUs
+        self._shapes: list | None = None  # trainable parameter shapes (layout_for)
+        self.deferred_moments: tuple[int, ...] = ()  # NCCL: devices that left training, moments not sent
         self.watchdog = Watchdog(ping=lambda r: self.workers[r].alive.remote(), collective_s=cfg.timeouts.collective_s,
                                  call_s=cfg.timeouts.actor_call_s)
 
@@ -91,13 +94,15 @@ class Cluster:
     def start(self, assignment: Assignment) -> None:
         cfg = self.cfg
         use_gpu = cfg.cluster.backend == "nccl" or (cfg.cluster.backend == "auto" and _cuda_available())
+        self.use_gpu = use_gpu
         if not ray.is_initialized():
             need = math.ceil(self.num_devices * cfg.cluster.cpus_per_device)
+            # a Ray of our own (address=local) where none is given, even where another runs on this machine;
+            # the job's cluster under `ray job submit` (RAY_ADDRESS): placement.init_kwargs
             ray.init(**placement.init_kwargs(cfg.cluster.address, max(os.cpu_count() or 1, need)))
             self._started_ray = True
         self._pg = make_placement_group(self.num_devices, use_gpu=use_gpu, cpus_per_device=cfg.cluster.cpus_per_device,
                                         strategy=cfg.cluster.placement_strategy)
-        self._place()  # nodes by device id, the `placement` record, node faults (docs/cluster.md)
         actor_cls = remote_worker_class()
         cfg_dict = config_to_dict(cfg)
         # Pin the math thread count in the worker's environment too: Ray may run methods on
@@ -108,6 +113,7 @@ class Cluster:
         self.workers = [actor_cls.options(**actor_options(self._pg, d, use_gpu=use_gpu,
                                                            cpus_per_device=cfg.cluster.cpus_per_device), **env)
                         .remote(d, cfg_dict) for d in range(self.num_devices)]
+        self._place()  # nodes by device id, the `placement` record, node faults (docs/cluster.md)
         armed = self.faults.arm(self.worker_of)
         self.wait([(self.ids.index(a.spec.device), ref) for a, ref in zip(self.faults.faults, armed)], "arm faults")
         port = self.wait([(0, self.workers[0].free_port.remote())], "start")[0]
@@ -284,7 +290,9 @@ class Cluster:
             per[devices[i % len(devices)]].append((i, mb))
         self.reach("train", step, devices)
         refs = [self.workers[d].train.remote(step, per[d], len(micro_batches), total_tokens) for d in devices]
-        stats = self.wait(list(zip(devices, refs)), f"train {step}")
+        leavers, self.deferred_moments = self.deferred_moments, ()  # NCCL: their sends match this step's receives
+        flushed = [(d, self.workers[d].flush_moments.remote()) for d in leavers]
+        stats = self.wait(list(zip(devices, refs)) + flushed, f"train {step}")[:len(devices)]
         return [{**st, "device": self.ids[d]} for d, st in zip(devices, stats)]
 
     def sync_weights(self, version: int, step: int) -> list[dict]:
@@ -348,6 +356,24 @@ class Cluster:
     def param_digest(self) -> str:
         """sha1 of the current full weights (collective over the trainers; deterministic mode)."""
         return self.on_trainers("param_digest", where="digest")
+
+    def layout_for(self, ranks) -> Any:
+        """The trainers' state layout over `ranks` (the backend's: FSDP2 row chunks)."""
+        from dynaresize.reshard.layout import RowChunkLayout
+        from dynaresize.roles.train_fsdp import param_shapes
+
+        if self._shapes is None:
+            self._shapes = param_shapes(self.cfg.model)
+        return RowChunkLayout.of_shapes(self._shapes, tuple(ranks))
+
+    def check_engine_weights(self, digest: str, version: int) -> None:
+        """Deterministic mode: every rollout engine serves exactly the trainers' weights."""
+        rollout = self.assignment.devices(ROLLOUT)
+        got = self.wait([(d, self.workers[d].engine_digest.remote()) for d in rollout], "engine digest")
+        bad = [self.ids[d] for d, g in zip(rollout, got) if g != digest]
+        if bad:
+            raise RuntimeError(f"weight sync of version {version}: engines on devices {bad} do not hold the "
+                               "trainers' weights (digest mismatch)")
 
     def full_weights(self) -> dict:
         """The current full fp32 weights on the driver, by parameter name (tied weights once)."""

@@ -142,8 +142,10 @@ def _moments(ctx: ResizeContext) -> None:
     name = planner.MOVE_OPTIMIZER_SHARDS if ctx.plan.to_role == ROLLOUT else planner.RECEIVE_OPTIMIZER_SHARDS
     if ctx.background_moments:
         ctx.background(name, ctx.union, "reshard_moments", ctx.new_train)
+        if ctx.cluster.use_gpu:  # NCCL: leavers send from their main thread beside the next step
+            ctx.cluster.deferred_moments = tuple(d for d in ctx.union if d not in ctx.new_train)
     else:  # configured onto the critical path: the driver waits for them now
-        ctx.record(name, ctx.union, ctx.call(ctx.union, "reshard_moments", ctx.new_train))
+        ctx.record(name, ctx.union, ctx.call(ctx.union, "reshard_moments", ctx.new_train, False))
 
 
 def _free_train_memory(ctx: ResizeContext) -> None:

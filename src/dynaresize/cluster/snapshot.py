@@ -152,15 +152,11 @@ def params_only(version: int, flat: np.ndarray, meta: dict) -> Snapshot:
 def restore(cluster: Any, train: Snapshot, rollout: Snapshot) -> list[dict]:
     """Trainers of the cluster's assignment from `train`, rollout devices from `rollout`'s
     parameters (the version their next samples must come from). Returns the workers' timings."""
-    from dynaresize.reshard.layout import RowChunkLayout, layout_from
     from dynaresize.types import ROLLOUT, TRAIN
 
     a = cluster.assignment
     trainers, rollers = a.devices(TRAIN), a.devices(ROLLOUT)
-    saved = layout_from(train.metas[0]["layout"])
-    if not isinstance(saved, RowChunkLayout):
-        raise ValueError(f"snapshot of version {train.version}: unexpected layout {train.metas[0]['layout']['kind']}")
-    new = RowChunkLayout(saved.shapes, trainers)
+    new = cluster.layout_for(trainers)  # the trainers' own layout at the new size
     calls = []
     for d in trainers:
         metas, refs = train.train_args([list(p) for p in new.rank_pieces(d)])

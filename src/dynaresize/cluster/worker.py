@@ -222,9 +222,7 @@ class DeviceWorker(RecoveryMixin):
         stats = self.trainer.compute_grads(micro_batches, self._loss_fn(total_tokens, None),
                                            num_micro_batches=num_micro_batches)
         t_grads = time.time()
-        if self._inline_moments is not None:  # NCCL: see the module docstring
-            move, self._inline_moments = self._inline_moments, None
-            move()
+        self._run_deferred_moments()  # NCCL: see the module docstring
         self._moments_done.wait()  # optimizer moments moved in the background must be here now
         if self._moments_error is not None:
             raise self._moments_error
@@ -259,13 +257,17 @@ class DeviceWorker(RecoveryMixin):
         leaving for rollout) hold them for their engine (part of `move_param_shards`)."""
         self._maybe_fault("resize.reshard", step)
         t0 = time.time()
-        full = {n: t.cpu() for n, t in self.trainer.full_params()}
-        nbytes = sum(t.numel() * t.element_size() for t in full.values())
-        if self.device in keep:
-            if self.trainer.step != version:
-                raise RuntimeError(f"device {self.device} holds version {self.trainer.step}, not {version}")
+        keeps = self.device in keep
+        if keeps and self.trainer.step != version:
+            raise RuntimeError(f"device {self.device} holds version {self.trainer.step}, not {version}")
+        full = {}
+        for name, t in self.trainer.full_params():  # collective: every old trainer walks it all
+            if keeps:  # only a device leaving for rollout keeps a copy (its engine's first weights)
+                full[name] = t.cpu() if self.torch_device.type == "cpu" else t
+        if keeps:
             self._full, self._full_version = full, version
-        return {"t0": t0, "t1": time.time(), "bytes_received": nbytes if self.device in keep else 0}
+        nbytes = sum(t.numel() * t.element_size() for t in full.values())
+        return {"t0": t0, "t1": time.time(), "bytes_received": nbytes}
 
     def reshard_params(self, old_ranks: Sequence[int], new_ranks: Sequence[int], *, scalars: dict,
                        step: int) -> dict:
@@ -310,12 +312,28 @@ class DeviceWorker(RecoveryMixin):
         return {"t0": t0, "t1": time.time(), **stats.to_dict()}
 
     @ray.method(concurrency_group="bg")
-    def reshard_moments(self, new_ranks: Sequence[int]) -> dict:
-        """Background op: move optimizer moments on the background group (see the docstring)."""
-        if self.torch_device.type == "cuda":  # NCCL: the main thread moves them before its optimizer step
+    def reshard_moments(self, new_ranks: Sequence[int], background: bool = True) -> dict:
+        """Move optimizer moments on the background group (see the module docstring). With
+        NCCL and `background`, the move is left to this worker's main thread: a trainer runs it
+        before its next optimizer step (`train`), a device that left training in `flush_moments`,
+        which the driver calls beside that training step; so two threads never issue NCCL work
+        at once. Without `background` the driver is waiting and no main-thread work runs: it
+        moves now."""
+        if background and self.torch_device.type == "cuda":
             self._inline_moments = lambda: self._run_moments(new_ranks)
             return {"t0": time.time(), "t1": time.time(), "deferred": True}
         return self._run_moments(new_ranks)
+
+    def flush_moments(self) -> dict:
+        """NCCL: a device that left training sends its deferred moment shards (main thread)."""
+        t0 = time.time()
+        self._run_deferred_moments()
+        return {"t0": t0, "t1": time.time()}
+
+    def _run_deferred_moments(self) -> None:
+        if self._inline_moments is not None:
+            move, self._inline_moments = self._inline_moments, None
+            move()
 
     def _run_moments(self, new_ranks: Sequence[int]) -> dict:
         try:
@@ -376,6 +394,10 @@ class DeviceWorker(RecoveryMixin):
     def param_digest(self) -> str:
         """sha1 of the full weights (collective over the training group)."""
         return self.trainer.digest()
+
+    def engine_digest(self) -> str:
+        """Digest of the weights the rollout engine serves (compared with the trainers')."""
+        return self.engine.weights_digest()
 
     def trainer_scalars(self) -> dict:
         return self.trainer.scalars()

@@ -81,6 +81,7 @@ class RecoveryMixin:
         self.trainer, self.train_ranks = None, ()
         self._old_moments, self._moments_error = None, None
         self._moments_done.set()
+        self._inline_moments = None
         self._full, self._full_version = None, None  # a resize cut short left them
         t1 = time.time()
         rendezvous.init_world(rank=self.device, world_size=world_size, init_method=init_method,

@@ -1,4 +1,4 @@
-"""Resize planning: which devices move, and the ops each runs (DESIGN.md section 6).
+"""Resize planning: which devices move, and the ops each runs (docs/resize.md).
 
 A plan is a pure value computed the same way by the simulator and the real runtime, whose
 executor runs the ops by name. The op names below are the contract between this planner, the

@@ -1,7 +1,7 @@
 """Execute a transfer plan on one rank: point-to-point messages through a bounded staging buffer.
 
 Every rank that holds an old shard or will hold a new one calls `execute_plan` with the same
-plan (computed identically everywhere by `plan.transfer_plan`). The rank walks the plan in its
+plan (computed identically everywhere by `plan.layout_plan` from the old and new layouts). The rank walks the plan in its
 global order and acts only on the transfers that name it:
 - src == dst == rank: copy the range from the old shard into the new shard (no message);
 - src == rank: pack the range of every moved state kind into the staging buffer, as bytes,

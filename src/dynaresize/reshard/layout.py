@@ -5,7 +5,8 @@ vector of `numel` elements, in a fixed order that does not depend on the number 
 devices (the trainable parameters in `named_parameters()` order, each row-major). A layout
 says which ranges of that vector each rank owns; the reshard planner and executor, snapshots
 and checkpoints work from a layout's pieces only, so a trainer backend with another sharding
-rule adds a layout here and nothing else changes.
+rule adds a layout here (and `layout_from` learns its descriptor) without touching the planner,
+the executor or the checkpoint format; the backend itself says which layout it uses.
 
 - `FlatLayout`: one balanced contiguous range per rank (a ZeRO-style flat shard).
 - `RowChunkLayout`: torch FSDP2's rule (`fully_shard`, `Shard(0)` per parameter): parameter p

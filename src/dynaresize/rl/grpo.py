@@ -1,6 +1,6 @@
 """GRPO: group-relative advantages, fixed micro-batches, and the clipped policy-gradient loss.
 
-Invariants (DESIGN.md section 3):
+Invariants (what keeps RL semantics fixed under resizes):
 - `group_advantages` normalises each prompt's rewards by that prompt's own mean and std; it
   sees nothing of devices or batches.
 - `micro_batches` fixes micro-batch composition by sample id alone (sorted, then chunked), so
@@ -42,14 +42,15 @@ class TrainSample:
     sample_id: SampleId  # (step, prompt_index, sample_index)
     prompt_ids: list[int]
     response_ids: list[int]
-    rollout_logprobs: list[float]  # one per response token: the behaviour policy's (engine's or recomputed)
+    rollout_logprobs: list[float]  # one per response token, from the rollout engine (the behaviour policy)
     advantage: float
+    prox_logprobs: list[float] | None = None  # recomputed by the trainers before the update (decoupled PPO)
 
     def with_logprobs(self, logprobs: Sequence[float]) -> "TrainSample":
-        """The same sample with behaviour log-probs recomputed by the trainers."""
+        """The same sample with proximal log-probs recomputed by the trainers."""
         if len(logprobs) != len(self.response_ids):
             raise ValueError(f"sample {self.sample_id}: {len(logprobs)} log-probs for {len(self.response_ids)} tokens")
-        return dataclasses.replace(self, rollout_logprobs=[float(x) for x in logprobs])
+        return dataclasses.replace(self, prox_logprobs=[float(x) for x in logprobs])
 
 
 def group_advantages(rewards: Sequence[float], group_size: int, eps: float = 1e-6) -> list[float]:
@@ -83,6 +84,11 @@ def total_response_tokens(samples: Sequence[TrainSample]) -> int:
 
 
 KL_ESTIMATORS = ("k1", "k3")
+# Decoupled PPO (AReaL, arXiv:2505.24298): with proximal log-probs the clipped ratio is taken
+# against the proximal policy (the trainers' weights before this update, same kernels as the
+# loss), and each token is weighted by behaviour -> proximal importance, capped so that a
+# token the engine sampled at a much lower probability cannot dominate the step.
+BEHAVIOUR_WEIGHT_CAP = 5.0
 
 
 def dummy_micro_batch() -> list[TrainSample]:
@@ -161,12 +167,16 @@ def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[TrainSample],
         if len(s.rollout_logprobs) != logp.numel():
             raise ValueError(f"sample {s.sample_id}: {len(s.rollout_logprobs)} rollout log-probs for "
                              f"{logp.numel()} response tokens")
-        old = torch.as_tensor(s.rollout_logprobs, dtype=logp.dtype, device=logp.device)
+        behaviour = torch.as_tensor(s.rollout_logprobs, dtype=logp.dtype, device=logp.device)
+        old = behaviour if s.prox_logprobs is None else torch.as_tensor(s.prox_logprobs, dtype=logp.dtype,
+                                                                        device=logp.device)
         ratio = torch.exp(logp - old)
         adv = float(s.advantage)
         unclipped = -adv * ratio
         clipped_loss = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
         tok_loss = torch.maximum(unclipped, clipped_loss)
+        if s.prox_logprobs is not None:
+            tok_loss = tok_loss * torch.exp(old - behaviour).clamp(max=BEHAVIOUR_WEIGHT_CAP)
         if ref_logprobs is not None:
             ref = torch.as_tensor(ref_logprobs[i], dtype=logp.dtype, device=logp.device)
             if kl_estimator == "k1":

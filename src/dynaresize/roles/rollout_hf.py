@@ -85,6 +85,14 @@ class HFRolloutEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def weights_digest(self) -> str:
+        """`weight_sync.weights_digest` of the weights this engine serves (parameter order)."""
+        from dynaresize.roles.weight_sync import weights_digest
+
+        if self._model is None:
+            raise RuntimeError("rollout engine is released: no weights to digest")
+        return weights_digest(self._model.named_parameters())
+
     def _load_model(self) -> None:
         self._install(build_model(self.model_cfg).to(self.device))
 

@@ -24,7 +24,7 @@ the micro-batch and the weights; FSDP casts it to fp64 before the reduce-scatter
 accumulates the sharded gradient in fp64, where a sum of fp32 values is exact unless their
 exponents span more than ~29 bits, so every grouping of the same M terms gives the same value;
 the global norm is rounded to fp32 before it scales the gradient; AdamW is elementwise. Tested
-bitwise for W = 1, 2, 3.
+bitwise for W = 1, 2, 3, 4 (tests/dist/test_trainer.py).
 
 Checkpoint and reshard view: the state of kind k (`param`, `exp_avg`, `exp_avg_sq`, and `ref`
 when a frozen reference model is held) is the list of this rank's local shards, flattened
@@ -36,7 +36,6 @@ The frozen reference policy (KL) is a second FSDP module built the same way (no 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -127,6 +126,11 @@ def empty_model(model_cfg: ModelConfig) -> nn.Module:
     return model
 
 
+def param_shapes(model_cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """Shapes of the trainable parameters in flattening order (tied weights once)."""
+    return [tuple(p.shape) for p in empty_model(model_cfg).parameters()]
+
+
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The modules wrapped one FSDP unit each: the classes HF names as not to be split."""
     names = set(getattr(model, "_no_split_modules", None) or ())
@@ -162,7 +166,10 @@ class FSDPTrainer:
         self.params = [p for _, p in named]
         self.layout = RowChunkLayout.of_shapes([tuple(p.shape) for p in self.params], self.ranks)
         dt = spec.master_dtype
-        self.moments = {k: [torch.zeros_like(p.to_local(), dtype=dt) for p in self.params] for k in MOMENT_KINDS}
+        # A trainer filled by a reshard or restore gets its moments written over: allocating
+        # without zeroing keeps building it (on a resize's critical path) cheap.
+        alloc = torch.zeros_like if init_model is not None else torch.empty_like
+        self.moments = {k: [alloc(p.to_local(), dtype=dt) for p in self.params] for k in MOMENT_KINDS}
         self.pending: set[str] = set() if init_model is not None else set(spec.kinds())
         self._grad_coef: float | None = None
         self.last_state_bytes = self.state_bytes()
@@ -302,11 +309,10 @@ class FSDPTrainer:
             yield name, p.full_tensor().detach().to(torch.float32)
 
     def digest(self) -> str:
-        """sha1 of the full fp32 weights (collective); equal digests mean bit-identical weights."""
-        h = hashlib.sha1()
-        for _, t in self.full_params():
-            h.update(t.cpu().numpy().tobytes())
-        return h.hexdigest()
+        """`weight_sync.weights_digest` of the full fp32 weights (collective over the group)."""
+        from dynaresize.roles.weight_sync import weights_digest
+
+        return weights_digest(self.full_params())
 
     # ------------------------------------------------------------------ one step
 

@@ -90,6 +90,18 @@ def receive_weights(specs: list[Spec], *, root: int, group, device: torch.device
     return out, got
 
 
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha1 over (name, fp32 bytes) of each weight in order: equal digests mean the trainers and
+    an engine hold bit-identical weights (deterministic mode checks this after every sync)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for name, t in named:
+        h.update(name.encode())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def flatten(state: dict[str, torch.Tensor], specs: Iterable[Spec]) -> torch.Tensor:
     """The parameters of `state` named by `specs`, as one fp32 vector in that order."""
     return torch.cat([state[name].detach().reshape(-1).to(torch.float32) for name, _ in specs])

@@ -14,7 +14,7 @@ Stage models (used by `sim.engine`):
   (2N of 6N, i.e. +1/3; REFERENCES 2.4 measures 0.25-0.5x of the update), divided over the
   training devices at `mfu_train`, plus a fixed exposed communication time per step.
 - Weight sync: alpha + bytes per receiver / BW_eff (3.2).
-- Resize ops: the op names of DESIGN.md section 6 (shared with the runtime executor through
+- Resize ops: the planner's op names (control/planner.py) (shared with the runtime executor through
   `control.planner`); each has a duration and a byte count here.
 
 Pure: no I/O, no clock.
