@@ -76,7 +76,8 @@ class Recovery:
                 regroup.new_generation(cluster, survivors, assignment)
                 run.assignment = assignment
                 t_restore = time.time()
-                snapshot.rehome(cluster, run.snapshots, down)
+                rehomed = snapshot.rehome(cluster, run.snapshots, down)
+                t_rehomed = time.time()
                 train = run.snapshots[max(v for v, s in run.snapshots.items() if s.others is not None)]
                 rv = self._engine_version(w, train.version)
                 snapshot.restore(cluster, train, run.snapshots[rv])
@@ -98,7 +99,8 @@ class Recovery:
                            detect_to_start_s=t_start - t_detect, settle_s=t_world - t_start,
                            world_s=t_restore - t_world, restore_s=t_end - t_restore, generation=cluster.generation,
                            trainer_version=train.version, rollout_version=rv, where=where,
-                           lost_nodes=_lost_nodes(cluster, lost_ids),
+                           lost_nodes=_lost_nodes(cluster, lost_ids), rehomed_shards=rehomed,
+                           rehome_s=t_rehomed - t_restore,
                            assignment={"rollout": [cluster.ids[r] for r in assignment.devices("rollout")],
                                        "train": [cluster.ids[r] for r in assignment.devices("train")]})
         run.stats["recoveries"].append({k: rec[k] for k in ("step", "lost_devices", "recovery_s", "num_devices")})

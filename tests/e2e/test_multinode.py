@@ -112,6 +112,7 @@ def test_node_lost_mid_run_recovers_on_the_survivors(two_nodes, tmp_path):
                for f in faults)
     (rec,) = records(out, "recovery")
     assert rec["lost_devices"] == on_lost and rec["lost_nodes"] == [lost_node] and rec["num_devices"] == 2
+    assert rec["rehomed_shards"] >= 1  # the lost trainer's shards, re-made from their replicas
     # the node is gone for Ray too (its raylet was killed)
     deadline = time.time() + 60
     while time.time() < deadline and any(n["Alive"] for n in ray.nodes() if n["NodeID"] == lost_node):
@@ -131,5 +132,6 @@ def test_node_lost_mid_run_recovers_on_the_survivors(two_nodes, tmp_path):
     # ... and the same tokens and final parameters as the uninterrupted run
     assert_same_run(out, reference_run())
     print(f"\nnode-loss run: {run_s:.1f}s; recovery_s {rec['recovery_s']:.2f} (settle {rec['settle_s']:.2f}, "
-          f"world {rec['world_s']:.2f}, restore {rec['restore_s']:.2f}); detect_s "
+          f"world {rec['world_s']:.2f}, restore {rec['restore_s']:.2f} of which re-home {rec['rehome_s']:.2f} "
+          f"for {rec['rehomed_shards']} shards); detect_s "
           f"{[round(f['detect_s'], 2) for f in faults]}; Ray had the node dead {dead_after_s:.1f}s after the run")
