@@ -9,11 +9,14 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # Install the CPU torch wheel first where no torch is present: a bare `torch` requirement
-# would otherwise pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# would otherwise pull a multi-GB CUDA build. Then vLLM (scripts/install_vllm.sh: the CPU
+# build without nvidia-smi, the CUDA build with it; DYNARESIZE_NO_VLLM=1 skips it; where it
+# cannot be installed a note is printed and the HF engine is used).
+$(STAMP): pyproject.toml scripts/install_vllm.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,tensorboard,mlflow,wandb]'
+	scripts/install_vllm.sh $(PY)
 	touch $(STAMP)
 
 # Headless Chromium for the test that opens `dynaresize report`'s page (tests/e2e/test_report_browser.py).

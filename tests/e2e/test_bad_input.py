@@ -81,7 +81,7 @@ def test_malformed_config_and_faults_list_every_error(tmp_path, capsys):
 @pytest.mark.parametrize("args, needle", [
     (("--set", "policy.min_train=2"), "cluster.rollout_devices=3: the starting split breaks"),
     (("--set", "policy.move_unit=2"), "not a multiple of move_unit 2"),
-    (("--set", "rollout.length_workload=bogus"), "rollout.length_workload='bogus': unknown"),
+    (("--set", "rollout.length_workload=bogus"), "rollout.length_workload='bogus': neither a known workload"),
     (("--set", "train.dtype=bf16", "--deterministic"), "train.dtype='bf16': deterministic mode needs fp32"),
 ])
 def test_what_the_run_cannot_start_with_is_a_config_error(tmp_path, capsys, args, needle):

@@ -96,3 +96,34 @@ def test_bench_sim_small(tmp_path, capsys):
 def test_bench_resize_without_its_module_says_so(capsys):
     assert main(["bench", "resize", "--devices", "2"]) == 1
     assert "not available" in capsys.readouterr().err
+
+
+def test_simulate_streaming_pipeline(tmp_path, capsys):
+    out = tmp_path / "s2"
+    rc = main(["simulate", "--workload", "cap-raise", "--devices", "12", "--steps", "16", "--staleness", "2",
+               "--partial", "--out", str(out), "--quiet", "--no-plots"])
+    assert rc == 0
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["staleness"] == 2 and doc["partial"] is True
+    assert [r["policy"] for r in doc["results"]] == ["static-profiled", "best-static", "hysteresis", "greedy"]
+    best = next(r for r in doc["results"] if r["policy"] == "best-static")
+    swept = [s for s in doc["static_sweep"] if s["total_time_s"] is not None]
+    assert best["rollout_devices"] == min(swept, key=lambda s: s["total_time_s"])["rollout_devices"]
+    for r in doc["results"]:
+        assert r["staleness"] == 2 and r["max_staleness"] <= 2 and r["tail_idle_fraction"] == 0.0
+        assert 0 <= r["idle_fraction"] < 1
+    steps = list(read_records(out / "hysteresis" / "records.jsonl", "step"))
+    assert len(steps) == 16 and all(s["step"] - s["version"] <= 2 for s in steps)
+    ref = doc["best_static_staleness_1"]  # the one-step-off best-static of the same job, for the gain
+    assert ref["samples_per_s"] > 0 and isinstance(ref["rollout_devices"], int)
+    assert "streaming pipeline, staleness 2, partial rollout" in capsys.readouterr().out
+
+
+def test_simulate_pipeline_flags_are_checked(tmp_path, capsys):
+    assert main(["simulate", "--workload", "short-tail", "--partial", "--out", str(tmp_path)]) == 2
+    assert "partial rollout needs staleness" in capsys.readouterr().err
+    assert main(["simulate", "--workload", "short-tail", "--staleness", "0", "--out", str(tmp_path)]) == 2
+    assert "staleness=0" in capsys.readouterr().err
+    assert main(["simulate", "--workload", "short-tail", "--staleness", "2", "--policies", "hysteresis,lend",
+                 "--out", str(tmp_path)]) == 2
+    assert "one-step-off pipeline only" in capsys.readouterr().err

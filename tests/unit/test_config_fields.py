@@ -37,6 +37,8 @@ Pure: no Ray, no process group, no network. Tiny model (hidden 32, one layer, vo
 
 from __future__ import annotations
 
+import importlib.util
+
 import ast
 import atexit
 import dataclasses
@@ -390,6 +392,40 @@ def _generated(cfg: RunConfig) -> tuple:
     return engine._batches(reqs), [(tuple(r.response_ids), tuple(r.logprobs)) for r in res]
 
 
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+VLLM_MODEL = {"model": {"hidden_size": 64, "num_heads": 2, "num_kv_heads": 1}}  # head size 32: vLLM's minimum
+
+
+def _engine_class(cfg: RunConfig) -> str:
+    """The class of the engine the worker builds (`DeviceWorker._new_engine`)."""
+    return type(_new_engine(cfg)).__name__
+
+
+def _vllm_kwargs(cfg: RunConfig) -> dict:
+    """The `vllm.LLM` arguments `roles.base.rollout_engine_from_config` gives a vLLM engine
+    (built, not started: no vllm import), for a run whose engine resolved to vllm."""
+    from unittest import mock
+
+    from dynaresize.roles import base
+
+    with mock.patch.object(base, "resolve_engine", lambda c: "vllm"):
+        return base.rollout_engine_from_config(cfg).engine_kwargs()
+
+
+def _release_engine(cfg: RunConfig) -> tuple:
+    """`DeviceWorker.release_engine` on a loaded engine: whether memory was freed, and whether
+    the engine is still loaded (kept warm) afterwards."""
+    from dynaresize.cluster.worker import DeviceWorker
+    from dynaresize.rl.models import build_model
+
+    worker = DeviceWorker.__new__(DeviceWorker)
+    worker.cfg, worker.torch_device, worker._faults, worker._parked = cfg, torch.device("cpu"), [], None
+    engine = worker.engine = _new_engine(cfg)
+    engine.set_weights(build_model(cfg.model).state_dict(), 0)
+    out = worker.release_engine(0)
+    return out["memory_freed"], engine.loaded, worker._parked is engine
+
+
 def _new_engine(cfg: RunConfig) -> Any:
     from dynaresize.cluster.worker import DeviceWorker
 
@@ -672,8 +708,13 @@ EVIDENCE: dict[str, tuple] = {
                                    "test_prompts_use_the_folder_chat_template_and_are_truncated",
                                    "with a user folder the prompt ids open with its user turn and end with the "
                                    "assistant turn")),
-    "rollout.backend": (Refused("vllm", "rollout.backend='vllm': not available in this build", via=_new_engine),
-                        Refused("sglang", "rollout.backend='sglang': not available in this build", via=_new_engine)),
+    "rollout.engine": ((Probe("hf", _engine_class, base={**VLLM_MODEL, "rollout": {"engine": "vllm"}}),) if HAVE_VLLM
+                       else (Refused("vllm", "rollout.engine='vllm': the vllm package is not installed"),))
+                      + (Refused("sglang", "rollout.engine='sglang': must be one of"),),
+    "rollout.engine_release": (Probe("park", _release_engine),),
+    "rollout.vllm_max_num_seqs": (Probe(5, _vllm_kwargs, base=VLLM_MODEL),),
+    "rollout.vllm_max_model_len": (Probe(300, _vllm_kwargs, base=VLLM_MODEL),),
+    "rollout.vllm_kv_cache_bytes": (Probe(3 << 20, _vllm_kwargs, base=VLLM_MODEL),),
     "rollout.prompts_per_step": (Probe(3, _requests),),
     "rollout.samples_per_prompt": (Probe(2, _requests), Probe(2, _scores)),
     "rollout.max_new_tokens": (Probe(64, _requests),

@@ -166,3 +166,44 @@ def test_adversarial_policy_cannot_break_the_guards(targets, cooldown, window):
     policy.cooldown_steps = cooldown
     policy.reversal_window_steps = window
     _run(policy, bounds, 8, [(10.0, 10.0)] * len(targets), cooldown)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_dev=st.integers(min_value=6, max_value=24), unit=st.sampled_from([1, 2]),
+       worlds=st.lists(st.tuples(st.floats(0.001, 0.05), st.floats(0.01, 2.0), st.floats(50.0, 3000.0)),
+                       min_size=2, max_size=40),
+       data=st.data())
+def test_streaming_hysteresis_respects_bounds_cooldown_and_reversal_window(n_dev, unit, worlds, data):
+    """Hysteresis with staleness 2 (the throughput model) fed random streaming reports: per step a
+    per-token serial cost, a per-sample work and training device-seconds."""
+    import numpy as np
+
+    bounds = Bounds(num_devices=n_dev, min_rollout=unit, min_train=2, move_unit=unit)
+    start = data.draw(st.sampled_from(bounds.splits()))
+    cfg = replace(PolicyConfig(), name="hysteresis", enter_band=0.02, exit_band=0.01)
+    policy = make_policy(cfg, bounds, num_steps=len(worlds), staleness=2)
+    ctl = Controller(policy=policy, bounds=bounds, assignment=Assignment.split(n_dev, start))
+    lengths = np.random.default_rng(len(worlds)).lognormal(6.5, 1.0, 256).astype(np.int64) + 1
+    moves = []
+    for step, (t_w, w, d) in enumerate(worlds):
+        a = ctl.assignment
+        reps = max(a.num_rollout // unit, 1)
+        share = -(-lengths.size // reps)
+        chunks = [lengths[i:i + share] for i in range(0, lengths.size, share)]
+        serial = sum(float(c.max()) * t_w for c in chunks) * unit
+        rep = report(step, a.num_rollout, a.num_train, roll=100.0, train=1.0 + d / max(a.num_train, 1),
+                     sync_s=0.5, num_samples=int(lengths.size), rollout_work_s=serial + w * lengths.size * unit,
+                     rollout_serial_s=serial, rollout_sync_s=float(len(chunks) * unit), rollout_chunks=len(chunks),
+                     rollout_slots=256, response_lengths=tuple(int(x) for x in lengths), train_fixed_s=1.0,
+                     resize_critical_s=1.0 if moves and moves[-1][0] == step - 1 else None)
+        for cmd in ctl.on_report(rep):
+            if isinstance(cmd, ResizePlan):
+                assert bounds.allowed(cmd.dst.num_rollout)
+                if moves:
+                    assert step - moves[-1][0] > cfg.cooldown_steps, "move during cooldown"
+                direction = 1 if cmd.to_role == ROLLOUT else -1
+                if moves and direction == -moves[-1][1]:
+                    assert step - moves[-1][0] >= policy.reversal_window_steps, "reversal within the window"
+                moves.append((step, direction))
+                ctl.on_resize_done(cmd.resize_id, 1.0, 2.0)
+        assert bounds.allowed(ctl.assignment.num_rollout)

@@ -161,3 +161,82 @@ def test_hysteresis_is_deterministic():
     a = _run_world(Hysteresis(replace(PolicyConfig(), enter_band=0.05, exit_band=0.02), B, num_steps=60), 3, 40)
     b = _run_world(Hysteresis(replace(PolicyConfig(), enter_band=0.05, exit_band=0.02), B, num_steps=60), 3, 40)
     assert a == b
+
+
+# ------------------------------------------------------------ streaming pipeline (staleness >= 2)
+
+from dynaresize.policy.model import StreamStageModel, expected_max_of  # noqa: E402
+
+
+def test_expected_max_of_matches_sampling():
+    rng = np.random.default_rng(1)
+    lengths = np.sort(rng.lognormal(7.0, 1.0, 500))
+    got = expected_max_of(lengths, [1, 8, 40, 500])
+    assert got[0] == pytest.approx(lengths.mean())
+    assert got[3] == pytest.approx(lengths[-1])
+    draws = np.array([rng.choice(lengths, 40, replace=False).max() for _ in range(20000)])
+    assert got[2] == pytest.approx(draws.mean(), rel=0.02)
+    assert got[1] < got[2] < got[3]
+
+
+def stream_report(r, n, *, step=0, lengths=None, t_w=0.01, w=0.2, pull=1.0, c=1.0, d=1200.0, unit=1):
+    """A streaming report from a synthetic cluster: shares of ceil(B / replicas) samples, each
+    costing t_w x its longest length (serial) + w per sample (work) + one pull."""
+    lengths = np.arange(1, 513, dtype=np.int64) * 10 if lengths is None else lengths
+    B = lengths.size
+    reps = r // unit
+    share = -(-B // reps)
+    chunks = [lengths[i:i + share] for i in range(0, B, share)]
+    serial = sum(float(ch.max()) * t_w for ch in chunks) * unit
+    work = serial + w * B * unit
+    return StepReport(step=step, now_s=0.0, num_rollout=r, num_train=n, rollout_s=100.0, train_s=c + d / n,
+                      sync_s=0.5, train_fixed_s=c, num_samples=B, rollout_work_s=work, rollout_serial_s=serial,
+                      rollout_sync_s=pull * len(chunks) * unit, rollout_chunks=len(chunks), rollout_slots=256,
+                      response_lengths=tuple(int(x) for x in lengths))
+
+
+def test_stream_model_fits_the_measured_split_and_shrinks_shares_with_more_devices():
+    rng = np.random.default_rng(0)
+    lengths = rng.permutation(np.arange(1, 513, dtype=np.int64) * 10)
+    splits = np.arange(1, 16)
+    m = StreamStageModel()
+    m.update(stream_report(8, 8, lengths=lengths), splits)
+    parts = m.parts(splits, 16)
+    rep = stream_report(8, 8, lengths=lengths)
+    measured = (rep.rollout_work_s + rep.rollout_sync_s) / 8
+    assert parts["rollout"][7] == pytest.approx(measured)  # at the split it was measured on
+    assert parts["train"][7] == pytest.approx(1.0 + 1200.0 / 8 + 0.5)
+    # more devices: smaller shares, each with a shorter expected longest response -> faster per step,
+    # but not as 1/R: every share pays its own longest response (no floor, a cost per share)
+    assert np.all(np.diff(parts["rollout"]) < 0)
+    assert parts["rollout"][14] > measured * 8 / 15
+    curve = m.step_curve(splits, 16)
+    assert np.allclose(curve, np.maximum(parts["rollout"], parts["train"]))
+
+
+def test_hysteresis_under_streaming_moves_toward_the_throughput_balance_and_stays():
+    """Rollout throughput-bound at R=3 of 16: hysteresis (staleness 2) moves devices to rollout,
+    lands where the model's two throughputs cross, and does not move back."""
+    cfg = replace(PolicyConfig(), name="hysteresis")
+    hys = make_policy(cfg, B, num_steps=200, staleness=2)
+    assert hys.stream
+    lengths = np.random.default_rng(3).permutation(np.arange(1, 513, dtype=np.int64) * 10)
+
+    def world_s(r, s):
+        return stream_report(r, 16 - r, step=s, d=600.0, t_w=0.02, w=0.5, lengths=lengths)
+
+    def period(r):
+        rep = world_s(r, 0)
+        return max((rep.rollout_work_s + rep.rollout_sync_s) / r, rep.train_s + rep.sync_s)
+
+    r, moves = 3, []
+    for s in range(60):
+        d = hys.decide(replace(world_s(r, s), resize_critical_s=1.0 if moves and moves[-1][0] == s - 1 else None))
+        if isinstance(d, Move):
+            r = d.target_rollout(r)
+            moves.append((s, r))
+    best = min(range(1, 16), key=period)
+    assert moves and moves[0][1] > 3
+    assert abs(r - best) <= 1 and period(r) <= 1.05 * period(best)
+    directions = [np.sign(b - a) for (_, a), (_, b) in zip([(0, 3)] + moves, moves)]
+    assert all(x == directions[0] for x in directions)  # never back

@@ -87,3 +87,26 @@ def test_json_roundtrip_of_records(tmp_path):
     rec = {"prompt": "unicode: é ✓", "meta": {"k": [1, 2]}}
     path = _write(tmp_path, json.dumps(rec, ensure_ascii=False) + "\n")
     assert load_prompts(path) == [rec]
+
+
+def test_synthetic_lengths_keyed_by_absolute_step_and_trace_files(tmp_path):
+    """A run's forced lengths never depend on how many steps it was started for (a resume with
+    more steps continues the same job), and a trace file drives them by its `step` values."""
+    import json
+
+    from dynaresize.config import build_config
+    from dynaresize.job import Job
+
+    def forced(steps, workload="longtail-drift", step=5):
+        cfg = build_config({"steps": steps, "rollout": {"synthetic_lengths": True, "length_workload": workload,
+                                                        "prompts_per_step": 2, "samples_per_prompt": 3,
+                                                        "max_new_tokens": 64}})
+        return [[r.forced_length for r in g] for g in Job(cfg).requests(step)]
+
+    assert forced(10) == forced(50) and forced(10) != forced(10, step=6)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"step": s, "response_tokens": [10 * (s + 1) + i for i in range(6)]})
+                               for s in range(8)) + "\n")
+    got = forced(10, str(trace), step=2)
+    # scaled by max_new_tokens / the trace's longest response (85), rounded up
+    assert [x for g in got for x in g] == [-(-(30 + i) * 64 // 85) for i in range(6)]

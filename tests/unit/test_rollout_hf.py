@@ -12,7 +12,7 @@ from dynaresize.config import ModelConfig
 from dynaresize.rl.grpo import TrainSample, response_logprobs
 from dynaresize.rl.models import build_model
 from dynaresize.rl.seeds import sample_seed
-from dynaresize.roles.base import GenRequest, GenResult, RolloutEngine, build_rollout_engine
+from dynaresize.roles.base import GenRequest, GenResult, RolloutEngine
 from dynaresize.roles.rollout_hf import HFRolloutEngine
 
 CFG = ModelConfig()
@@ -139,7 +139,7 @@ def test_temperature_changes_sampling(weights):
 
 
 def test_release_frees_and_set_weights_reloads(weights):
-    eng = build_rollout_engine("hf", CFG, 1.0)
+    eng = HFRolloutEngine(CFG, 1.0)
     with pytest.raises(RuntimeError, match="released"):
         eng.generate(_requests()[:1])
     eng.set_weights(weights, version=1)
@@ -177,7 +177,4 @@ def test_bad_inputs():
         HFRolloutEngine(CFG, temperature=0.0)
     with pytest.raises(ValueError):
         HFRolloutEngine(CFG, temperature=1.0, batch_rows=0)
-    from dynaresize.errors import UserError
 
-    with pytest.raises(UserError, match="vllm"):
-        build_rollout_engine("vllm", CFG, 1.0)

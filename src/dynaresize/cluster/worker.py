@@ -44,7 +44,7 @@ from dynaresize.reshard.execute import NO_STATS
 from dynaresize.reshard.layout import RowChunkLayout
 from dynaresize.rl import grpo
 from dynaresize.rl.models import build_model
-from dynaresize.roles.base import GenRequest, build_rollout_engine
+from dynaresize.roles.base import GenRequest, resolve_engine, rollout_engine_from_config
 from dynaresize.roles.train_fsdp import MOMENT_KINDS, REF_KIND, FSDPTrainer, TrainerSpec, move_state
 from dynaresize.roles.weight_sync import receive_weights, send_weights
 
@@ -77,6 +77,7 @@ class DeviceWorker(RecoveryMixin):
         self.pool: CommPool | None = None
         self.trainer: FSDPTrainer | None = None
         self.engine = None
+        self._parked = None  # an engine kept warm while this device trains (rollout.engine_release=park)
         self.train_ranks: tuple[int, ...] = ()
         self._specs: list | None = None
         self._full: dict[str, torch.Tensor] | None = None  # full weights held for the engine to start with
@@ -139,9 +140,14 @@ class DeviceWorker(RecoveryMixin):
                            device=self.torch_device, init_model=build_model(self.cfg.model) if init else None)
 
     def _new_engine(self):
-        rc = self.cfg.rollout
-        return build_rollout_engine(rc.backend, self.cfg.model, rc.temperature, batch_rows=rc.batch_rows,
-                                    device=self.torch_device)
+        extra = {"device": self.torch_device} if self._engine_name() == "hf" else {}
+        return rollout_engine_from_config(self.cfg, **extra)
+
+    def _engine_name(self) -> str:
+        """"vllm" or "hf": `rollout.engine` resolved for this run (roles/base.py)."""
+        if getattr(self, "_engine", None) is None:
+            self._engine = resolve_engine(self.cfg)
+        return self._engine
 
     def _old_logprobs(self) -> str:
         """Where the PPO ratio's behaviour log-probs come from (`train.old_logprobs`). `auto`:
@@ -150,7 +156,7 @@ class DeviceWorker(RecoveryMixin):
         mode = self.cfg.train.old_logprobs
         if mode != "auto":
             return mode
-        exact = self.cfg.rollout.backend == "hf" and self.cfg.train.dtype == "fp32"
+        exact = self._engine_name() == "hf" and self.cfg.train.dtype == "fp32"
         return "engine" if exact else "recompute"
 
     def start_train(self, train_ranks: Sequence[int]) -> dict:
@@ -362,10 +368,13 @@ class DeviceWorker(RecoveryMixin):
         if self._full is None or self._full_version != version:
             raise RuntimeError(f"device {self.device}: no full weights of version {version} to load")
         state, self._full = self._full, None
-        self.engine = self._new_engine()
-        self.engine.set_weights(state, version)
+        woke = self._parked is not None
+        self.engine, self._parked = (self._parked, None) if woke else (self._new_engine(), None)
+        if woke and hasattr(self.engine, "unpark"):
+            self.engine.unpark()
+        self.engine.set_weights(state, version)  # in place when woken, else a start
         self.role = "rollout"
-        return {"t0": t0, "t1": time.time()}
+        return {"t0": t0, "t1": time.time(), "woke": woke}
 
     def alloc_kv_cache(self) -> dict:
         """Train -> rollout: the engine's KV cache (what the engine reserves ahead, if anything)."""
@@ -384,12 +393,18 @@ class DeviceWorker(RecoveryMixin):
         boundary: the driver drained it)."""
         self._maybe_fault("resize.switch", step)
         t0 = time.time()
-        if self.engine is not None:
+        freed = True
+        if self.engine is not None and self.cfg.rollout.engine_release == "park":
+            # Kept warm for the next move to rollout; where the engine cannot free memory while
+            # parked (vLLM on CPU, the HF engine) its memory stays in use.
+            freed = bool(self.engine.park()) if hasattr(self.engine, "park") else False
+            self._parked = self.engine
+        elif self.engine is not None:
             self.engine.release()
         self.engine, self.role = None, "joining"
         if self.torch_device.type == "cuda":
             torch.cuda.empty_cache()
-        return {"t0": t0, "t1": time.time()}
+        return {"t0": t0, "t1": time.time(), "memory_freed": freed}
 
     def param_digest(self) -> str:
         """sha1 of the full weights (collective over the training group)."""
@@ -397,7 +412,7 @@ class DeviceWorker(RecoveryMixin):
 
     def engine_digest(self) -> str:
         """Digest of the weights the rollout engine serves (compared with the trainers')."""
-        return self.engine.weights_digest()
+        return self.engine.weights_digest([n for n, _ in self._model_specs()])
 
     def trainer_scalars(self) -> dict:
         return self.trainer.scalars()

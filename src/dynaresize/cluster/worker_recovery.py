@@ -83,6 +83,9 @@ class RecoveryMixin:
         self._moments_done.set()
         self._inline_moments = None
         self._full, self._full_version = None, None  # a resize cut short left them
+        if self._parked is not None:  # a parked engine belongs to the old world's plan
+            self._parked.release()
+            self._parked = None
         t1 = time.time()
         rendezvous.init_world(rank=self.device, world_size=world_size, init_method=init_method,
                               backend=self.cfg.cluster.backend, timeout_s=self.cfg.timeouts.collective_s,

@@ -36,6 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--params", type=float, default=4e7, help="model parameters of the resharded state (default ~40M)")
     r.add_argument("--repeats", type=int, default=3, help="resizes per direction")
     r.add_argument("--out", metavar="DIR", default=None, help="output directory")
+    r.add_argument("--set", action="append", default=[], metavar="K=V",
+                   help="override one run-config field, e.g. --set rollout.engine=vllm (repeatable)")
     r.set_defaults(func=main)
 
 

@@ -14,12 +14,13 @@ from dynaresize.errors import ConfigError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from dynaresize.sim.costs import MODEL_PRESETS
-    from dynaresize.sim.shell import DEFAULT_POLICIES
+    from dynaresize.sim.shell import DEFAULT_POLICIES, STREAM_DEFAULT_POLICIES
     from dynaresize.sim.workload import WORKLOADS
 
     p = sub.add_parser("simulate", help="simulate policies on a workload or trace at cluster scale",
                        description="Run the controller and policies on a modelled workload (or a trace) "
-                                   "of a one-step-off RL pipeline and compare them.")
+                                   "of a pipelined RL job (one-step-off, or streaming with --staleness >= 2) "
+                                   "and compare them.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", choices=sorted(WORKLOADS), help="a named workload model")
     src.add_argument("--trace", metavar="FILE", help="a JSONL trace: one line per step with response_tokens")
@@ -27,8 +28,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="steps to simulate (default 300; for a trace, its number of steps)")
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="7b", help="model preset (default 7b)")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)}; also static:R, scripted)")
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)}; with --staleness >= 2 "
+                        f"{','.join(STREAM_DEFAULT_POLICIES)}; also static:R, scripted)")
+    p.add_argument("--staleness", type=int, default=1, metavar="ETA",
+                   help="pipeline staleness: samples of step k use weights of version max(0, k - ETA); "
+                        "1 = one-step-off (default), >= 2 = streaming (see docs/pipeline.md)")
+    p.add_argument("--partial", action="store_true",
+                   help="partial rollout (streaming only): a running request continues under newer weights")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="policy.FIELD=VALUE",
                    help="override a policy setting, e.g. --set policy.enter_band=0.05 (repeatable)")
@@ -50,11 +57,13 @@ def policy_config(overrides: list[str]):
 
 def main(args: argparse.Namespace) -> int:
     from dynaresize.sim.scenarios import trace_scenario, workload_scenario
-    from dynaresize.sim.shell import format_table, simulate
+    from dynaresize.sim.shell import check_pipeline, default_policies, format_table, simulate
     from dynaresize.sim.trace import load_trace
 
     cfg = policy_config(args.overrides)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    check_pipeline(args.staleness, args.partial)
+    spec = args.policies if args.policies is not None else ",".join(default_policies(args.staleness))
+    policies = [p.strip() for p in spec.split(",") if p.strip()]
     if not policies:
         raise ConfigError(["policies='': name at least one policy"])
     if args.steps is not None and args.steps < 1:
@@ -69,7 +78,8 @@ def main(args: argparse.Namespace) -> int:
         scenario = workload_scenario(args.workload, num_devices=args.devices, num_steps=args.steps or 300,
                                      model=args.model, seed=args.seed)
     progress = not args.quiet and sys.stderr.isatty()
-    doc = simulate(scenario, policies, cfg, out_dir=args.out, progress=progress, write_plots=not args.no_plots)
+    doc = simulate(scenario, policies, cfg, staleness=args.staleness, partial=args.partial, out_dir=args.out,
+                   progress=progress, write_plots=not args.no_plots)
     print(format_table(doc))
     print(f"wrote {args.out}/summary.json, one records.jsonl per policy"
           + ("" if args.no_plots else ", allocation.png, throughput.png"))

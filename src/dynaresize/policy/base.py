@@ -11,6 +11,8 @@ Optional attributes the controller and the simulator read with `getattr` (absent
 - `start_rollout: int | None` (None): the rollout pool size the policy wants from step 0 (a
   runtime starts there when it can; `static:R`, a scripted step-0 entry, the simulator's pilot);
 - `lends: bool` (False): the simulator lends idle trainers to rollout inside each step;
+- `reads_response_lengths: bool` (True): False lets a runtime leave `StepReport.response_lengths`
+  empty (the simulator's sweeps skip building them);
 - `on_bounds(bounds)`: called when the bounds change (devices lost).
 """
 
@@ -41,20 +43,21 @@ def parse_static(name: str) -> int:
 
 
 def make_policy(cfg: PolicyConfig, bounds: Bounds, *, num_steps: int | None = None, simulator: bool = False,
-                pilot_rollout: int | None = None) -> Policy:
+                pilot_rollout: int | None = None, staleness: int = 1) -> Policy:
     """Build the policy `cfg.name` under `bounds`.
 
     `num_steps` lets a policy stop moving when too few steps remain to pay a move back.
     `simulator=True` allows the simulator-only `lend`; `pilot_rollout` is the split a pilot run
     found (the simulator's sweep of the first `profile_steps` steps); without it
-    `static-profiled` finds the balanced split from its own first reports.
+    `static-profiled` finds the balanced split from its own first reports. `staleness` is the
+    pipeline's (1: one-step-off; >= 2: streaming, where `hysteresis` uses its throughput model).
     """
     from dynaresize.policy.baselines import Greedy, Lend, Scripted, Static, StaticProfiled
     from dynaresize.policy.hysteresis import Hysteresis
 
     name = cfg.name
     if name == "hysteresis":
-        return Hysteresis(cfg, bounds, num_steps=num_steps, start_rollout=pilot_rollout)
+        return Hysteresis(cfg, bounds, num_steps=num_steps, start_rollout=pilot_rollout, staleness=staleness)
     if name == "static":
         return Static(cfg.static_rollout, name="static")
     if name.startswith("static:"):

@@ -119,6 +119,8 @@ class Lend:
 class Planned:
     """Moves to a precomputed target before each step (`targets[k]` = rollout devices in step k)."""
 
+    reads_response_lengths = False
+
     def __init__(self, name: str, targets: list[int]) -> None:
         self.name = name
         self.targets = list(targets)

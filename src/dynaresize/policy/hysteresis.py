@@ -27,7 +27,7 @@ import numpy as np
 
 from dynaresize.config import PolicyConfig
 from dynaresize.control.window import Persistence
-from dynaresize.policy.model import OnlineStageModel
+from dynaresize.policy.model import OnlineStageModel, StreamStageModel
 from dynaresize.types import Bounds, Decision, Keep, StepReport, move_to
 
 NEAR_BEST = 0.005  # splits predicted within 0.5% of the best count as equally good
@@ -38,14 +38,20 @@ class Hysteresis:
     name = "hysteresis"
 
     def __init__(self, cfg: PolicyConfig, bounds: Bounds, *, num_steps: int | None = None,
-                 start_rollout: int | None = None, window: int = 5) -> None:
+                 start_rollout: int | None = None, window: int = 5, staleness: int = 1) -> None:
         self.cfg = cfg
         self.bounds = bounds
         self.num_steps = num_steps
         self.start_rollout = start_rollout
         self.cooldown_steps = cfg.cooldown_steps
         self.reversal_window_steps = cfg.dwell_steps + cfg.cooldown_steps
-        self.model = OnlineStageModel(window=window, trend_window=max(cfg.horizon_steps, 3))
+        self.staleness = int(staleness)
+        self.stream = self.staleness >= 2
+        if self.stream:
+            self.model = StreamStageModel(move_unit=bounds.move_unit, window=window,
+                                          trend_window=max(cfg.horizon_steps, 3), staleness=self.staleness)
+        else:
+            self.model = OnlineStageModel(window=window, trend_window=max(cfg.horizon_steps, 3))
         self.persist = Persistence()
         self.move_cost_s = cfg.move_cost_prior_s  # before any measured move (default pessimistic)
         self._cost_measured = False
@@ -65,7 +71,10 @@ class Hysteresis:
         self._cost_measured = True
 
     def decide(self, report: StepReport) -> Decision:
-        self.model.update(report)
+        if self.stream:
+            self.model.update(report, self._splits())
+        else:
+            self.model.update(report)
         self._learn_cost(report)
         cfg = self.cfg
         if self.model.num_reports < cfg.profile_steps:

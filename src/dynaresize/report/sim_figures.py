@@ -22,6 +22,8 @@ def write_sim_figures(runs: dict, doc: dict, out_dir: str | Path) -> list[Path]:
     paths: list[Path] = []
     names = list(runs)
     title = f"{doc['workload']} · {doc['devices']} devices · {doc['steps']} steps · {doc['model']}"
+    if doc.get("staleness", 1) >= 2:
+        title += f" · staleness {doc['staleness']}" + (" · partial rollout" if doc.get("partial") else "")
 
     fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.7 * len(names) + 1.0), sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], names):

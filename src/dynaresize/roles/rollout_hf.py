@@ -35,7 +35,7 @@ from __future__ import annotations
 import gc
 import inspect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -85,13 +85,15 @@ class HFRolloutEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def weights_digest(self) -> str:
-        """`weight_sync.weights_digest` of the weights this engine serves (parameter order)."""
+    def weights_digest(self, names: Iterable[str] | None = None) -> str:
+        """`weight_sync.weights_digest` of the weights this engine serves (`names`, or every
+        parameter), read from the model it computes with."""
         from dynaresize.roles.weight_sync import weights_digest
 
         if self._model is None:
             raise RuntimeError("rollout engine is released: no weights to digest")
-        return weights_digest(self._model.named_parameters())
+        params = dict(self._model.named_parameters())
+        return weights_digest((n, params[n]) for n in (params if names is None else names))
 
     def _load_model(self) -> None:
         self._install(build_model(self.model_cfg).to(self.device))

@@ -90,16 +90,23 @@ def receive_weights(specs: list[Spec], *, root: int, group, device: torch.device
     return out, got
 
 
-def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha1 over (name, fp32 bytes) of each weight in order: equal digests mean the trainers and
-    an engine hold bit-identical weights (deterministic mode checks this after every sync)."""
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.float32) -> str:
+    """A digest of named weights that does not depend on their order: sha256 over the sorted
+    per-weight digests of (name, shape, bytes cast to `dtype`). Equal digests mean the trainers
+    and an engine hold bit-identical weights (deterministic mode checks this after every sync);
+    it streams, so the trainers never hold more than one full weight for it. -0.0 counts as
+    0.0 (an engine's read-back cannot tell them apart)."""
     import hashlib
 
-    h = hashlib.sha1()
-    for name, t in named:
-        h.update(name.encode())
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
+    entries = []
+    for name, tensor in named:
+        t = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        if t.is_floating_point():
+            t = t + 0  # -0.0 -> +0.0
+        h = hashlib.sha256(f"{name}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        entries.append((name, h.hexdigest()))
+    return hashlib.sha256("\n".join(f"{n} {d}" for n, d in sorted(entries)).encode()).hexdigest()
 
 
 def flatten(state: dict[str, torch.Tensor], specs: Iterable[Spec]) -> torch.Tensor:

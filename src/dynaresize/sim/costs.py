@@ -166,6 +166,14 @@ def sync_s(model: ModelPreset) -> float:
     return model.sync_alpha_s + model.weight_bytes / model.rollout_tp / model.sync_bw
 
 
+def publish_s(model: ModelPreset, num_train: int, hw: Hardware = Hardware()) -> float:
+    """Streaming pipeline, trainer side of a weight sync: the control-plane pause (alpha, 3.2)
+    plus each trainer copying its bf16 shard (weights / n) to the host staging buffer over PCIe
+    D2H (53 GB/s measured, 5). Rollout replicas then pull the version when they need it, each
+    paying `sync_s` (checkpoint-engine style, 3.2); the trainers do not wait for them."""
+    return model.sync_alpha_s + model.weight_bytes / max(num_train, 1) / hw.pcie_d2h_bw
+
+
 # ------------------------------------------------------------------------- resize op costs
 
 COMM_REUSE_S = 0.05  # switch to a cached, warm communicator (3.1: reuse/split <= 0.15 s) [D]

@@ -73,6 +73,16 @@ class PolicyResult:
     rollout_devices_final: int = 0
     steps_lent: int = 0
     timeline: list[tuple[int, float, float, int]] = field(default_factory=list)  # step, start, end, rollout
+    staleness: int = 1  # the pipeline: 1 = this module's one-step-off; >= 2 = `sim.stream`
+    partial: bool = False
+    # streaming only (`sim.stream`): which pool the bubble idle is in, and the staleness facts
+    rollout_wait_idle_device_s: float = 0.0  # rollout devices with no chunk (the window is full)
+    train_wait_idle_device_s: float = 0.0  # trainers waiting for a step's last chunk
+    busy_device_s: float = 0.0
+    max_staleness: int = 0  # max over samples of consumed step - oldest version of its tokens
+    mixed_version_samples: int = 0  # partial rollout: samples whose tokens span versions
+    max_version_span: int = 0  # ... and the largest span (newest - oldest version)
+    drain_s: float = 0.0  # summed wait from a rollout -> train decision until its replicas were empty
 
     @property
     def samples_per_s(self) -> float:
@@ -88,8 +98,15 @@ class PolicyResult:
             "resizes": self.resizes, "reversals": self.reversals, "refusals": self.refusals,
             "rollout_devices_final": self.rollout_devices_final, "rollout_devices_start": self.start_rollout,
             "resize_critical_s": self.resize_critical_s, "resize_total_s": self.resize_total_s,
-            "steps_lent": self.steps_lent,
-        }
+            "steps_lent": self.steps_lent, "staleness": self.staleness,
+        } | (self._stream_summary(denom) if self.staleness >= 2 else {})
+
+    def _stream_summary(self, denom: float) -> dict:
+        return {"partial": self.partial,
+                "rollout_wait_idle_fraction": self.rollout_wait_idle_device_s / denom,
+                "train_wait_idle_fraction": self.train_wait_idle_device_s / denom,
+                "max_staleness": self.max_staleness, "mixed_version_samples": self.mixed_version_samples,
+                "max_version_span": self.max_version_span, "drain_s": self.drain_s}
 
 
 class _Null:

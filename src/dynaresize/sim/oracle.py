@@ -9,6 +9,15 @@
   path and the wait for its optimizer shards exactly as the engine does (same plan, same cost
   model). It is the ceiling for step-boundary policies.
 
+The streaming pipeline (staleness >= 2, `sim.stream`) has no per-step stage table (a step's
+rollout overlaps others), so its sweeps run the engine itself:
+- `stream_pilot_split`: the split where the rollout pool's throughput (each replica running its
+  share of a step, one share after another) matches the training pool's over the first
+  `profile_steps` steps: what a user would tune in a streaming pilot run;
+- `stream_best_static`: every split of the grid simulated as a fixed split through the same
+  engine (no moves, so nothing else differs), the fastest in hindsight. No oracle: the dynamic
+  program needs stage times that do not depend on earlier splits, which streaming breaks.
+
 When a cluster has more than `MAX_SPLITS` legal splits, the sweeps search an evenly spaced grid
 of `MAX_SPLITS` splits (plus the pilot split): then `best-static` and `oracle` are bounds from
 below on the true optimum (they could only do better on the full set), which is stated in the
@@ -23,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynaresize.sim.costs import publish_s
 from dynaresize.sim.resize import canonical_timing
 from dynaresize.sim.stages import StageModel
 from dynaresize.types import Bounds
@@ -133,3 +143,75 @@ def oracle_plan(table: StepTable, stages: StageModel, num_devices: int) -> tuple
         path[k] = splits[j]
         j = int(back[k][j])
     return path, total
+
+
+def stream_rollout_s(stages: StageModel, b: int, num_rollout: int) -> float:
+    """Seconds per step of a `num_rollout`-device rollout pool running batch `b` in even shares
+    back to back (its throughput, not a latency): mean share time + one weight pull."""
+    n_rep = max(1, num_rollout // stages.tp)
+    n = stages.batch(b).num_samples
+    share = min(stages.slots(b), -(-n // n_rep))
+    total = sum(stages.chunk(b, lo, min(lo + share, n)).time_s for lo in range(0, n, share))
+    chunks = -(-n // share)
+    return (total + chunks * stages.sync_s) / n_rep
+
+
+def stream_pilot_split(stages: StageModel, bounds: Bounds, num_steps: int, profile_steps: int) -> int:
+    """The legal split where streaming rollout and training (with its publish) take the most
+    nearly equal time per step, averaged over the first steps."""
+    splits = bounds.splits()
+    n_dev = bounds.num_devices
+    steps = range(min(profile_steps, max(num_steps, 1)))
+
+    def gap(r: int) -> float:
+        roll = np.mean([stream_rollout_s(stages, k, r) for k in steps])
+        train = np.mean([stages.train(k, n_dev - r).time_s + publish_s(stages.model, n_dev - r, stages.hw)
+                         for k in steps])
+        return float(roll - train)
+
+    gaps = {r: gap(r) for r in splits}
+    return min(splits, key=lambda r: (abs(gaps[r]), r))
+
+
+def stream_lower_bound(stages: StageModel, num_devices: int, num_steps: int, num_rollout: int,
+                       partial: bool = False) -> float:
+    """A lower bound on a fixed split's total time in the streaming pipeline: the trainers run
+    every training step and every publish but the last one back to back, and the rollout pool
+    runs every share (without its weight pulls) on its replicas; with partial rollout a share
+    holds its replica only until its body ends (its longest request overlaps the next share)."""
+    n = num_devices - num_rollout
+    train = sum(stages.train(k, n).time_s for k in range(num_steps))
+    train += (num_steps - 1) * publish_s(stages.model, n, stages.hw)
+    n_rep = max(1, num_rollout // stages.tp)
+    roll = 0.0
+    for k in range(num_steps):
+        b = stages.batch(k).num_samples
+        share = min(stages.slots(k), -(-b // n_rep))
+        chunks = (stages.chunk(k, lo, min(lo + share, b)) for lo in range(0, b, share))
+        roll += sum(c.body_s if partial else c.time_s for c in chunks)
+    return max(train, roll / n_rep)
+
+
+def stream_best_static(scenario, stages: StageModel, bounds: Bounds, splits: tuple[int, ...], staleness: int,
+                       partial: bool, on_run=None) -> tuple[int, float, dict[int, float], dict[int, float]]:
+    """(split, total seconds, {simulated split: total}, {split: lower bound}) of the fastest fixed
+    split. Exact by branch and bound: splits are simulated in order of their lower bound
+    (`stream_lower_bound`) until the next bound is no better than the best simulated total."""
+    from dynaresize.policy.baselines import Planned
+    from dynaresize.sim.stream import run_stream
+
+    K, N = scenario.num_steps, scenario.num_devices
+    bound = {r: stream_lower_bound(stages, N, K, r, partial) for r in splits}
+    totals: dict[int, float] = {}
+    best = None
+    for r in sorted(splits, key=lambda x: (bound[x], x)):
+        if best is not None and bound[r] >= totals[best]:
+            break
+        res = run_stream(scenario, stages, Planned("best-static", [r] * K), bounds, start_rollout=r,
+                         staleness=staleness, partial=partial)
+        totals[r] = res.total_time_s
+        if best is None or (totals[r], r) < (totals[best], best):
+            best = r
+        if on_run is not None:
+            on_run(r)
+    return best, totals[best], totals, bound

@@ -19,7 +19,7 @@ from dynaresize.config import PolicyConfig
 from dynaresize.errors import ConfigError
 from dynaresize.sim.costs import ModelPreset, get_model, min_train_devices
 from dynaresize.sim.stages import Batch, StageModel
-from dynaresize.sim.workload import get_workload, sample_lengths_array
+from dynaresize.workload import get_workload, sample_lengths_array
 from dynaresize.types import Bounds
 
 SAMPLES_PER_PROMPT = 16
@@ -60,8 +60,10 @@ class Scenario:
                                f"(rollout needs >= {b.min_rollout}, training >= {b.min_train})"])
         return b
 
-    def stages(self) -> StageModel:
-        return StageModel(self.model, self.batch_of)
+    def stages(self, batch_cache: int = 4) -> StageModel:
+        """The stage model; `batch_cache` batches' arrays are kept (the streaming pipeline and its
+        sweeps revisit batches, so they keep up to ~4M samples' worth)."""
+        return StageModel(self.model, self.batch_of, batch_cache=batch_cache)
 
 
 def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model: str = "7b", seed: int = 0,
@@ -71,7 +73,7 @@ def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model:
     prompts = prompts_per_step or PROMPTS_PER_DEVICE * num_devices
 
     def batch_of(b: int) -> Batch:
-        lengths = sample_lengths_array(spec, b, prompts, SAMPLES_PER_PROMPT, spec.cap_tokens, seed, num_steps).ravel()
+        lengths = sample_lengths_array(spec, b, prompts, SAMPLES_PER_PROMPT, spec.cap_tokens, seed).ravel()
         return Batch(lengths, np.full(lengths.shape, spec.prompt_tokens, dtype=np.int64))
 
     return Scenario(name=workload, num_devices=num_devices, num_steps=num_steps, model=get_model(model), seed=seed,

@@ -28,18 +28,7 @@ from typing import Callable
 import numpy as np
 
 from dynaresize.sim.costs import Hardware, ModelPreset, rollout_constants, sync_s, train_device_s
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One step's samples: response and prompt lengths in tokens, in sample order."""
-
-    response_tokens: np.ndarray  # int64, shape (num_samples,)
-    prompt_tokens: np.ndarray  # int64, same shape
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.response_tokens.shape[0])
+from dynaresize.workload.trace import Batch  # noqa: F401  (re-exported: sim callers build batches)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +41,17 @@ class RolloutTime:
     num_replicas: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkTime:
+    """A contiguous range of a batch's samples run together on one replica (the streaming
+    pipeline's unit of dispatch)."""
+
+    time_s: float  # first request to last response
+    serial_s: float  # its decode steps x t_weights (a bigger chunk has a longer longest response)
+    body_s: float  # until only its longest request is left (partial rollout frees the replica then)
+    longest_tokens: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainTime:
     time_s: float
@@ -62,6 +62,7 @@ class _BatchData:
     """Per-batch arrays reused for every split."""
 
     def __init__(self, batch: Batch, c) -> None:
+        self.batch = batch
         L = batch.response_tokens.astype(np.float64)
         P = batch.prompt_tokens.astype(np.float64)
         self.L = L
@@ -71,6 +72,7 @@ class _BatchData:
         i = int(np.argmax(L)) if L.size else 0
         self.longest_index = i
         self.floor_s = float(L[i] * c.t_weights + self.work[i]) if L.size else 0.0
+        self.work_cum = np.concatenate([[0.0], np.cumsum(self.work)])
         seq = P + L
         self.seq_sum = float(seq.sum())
         self.seq_sq_sum = float((seq * seq).sum())
@@ -90,6 +92,7 @@ class StageModel:
         self._data: OrderedDict[int, _BatchData] = OrderedDict()
         self._batch_cache = batch_cache
         self._rollout: dict[tuple[int, int], RolloutTime] = {}
+        self._chunk_tables: dict[tuple[int, int], tuple | None] = {}
         self._train: dict[tuple[int, int], TrainTime] = {}
         self._train_dev_s: dict[int, float] = {}
 
@@ -105,7 +108,7 @@ class StageModel:
         return d
 
     def batch(self, b: int) -> Batch:
-        return self._batch_of(b)
+        return self.data(b).batch
 
     def replica_times(self, b: int, num_rollout: int) -> tuple[np.ndarray, int]:
         """Per-replica finish times (s) and the index of the replica with the longest request."""
@@ -133,6 +136,79 @@ class StageModel:
             steps = ends.max(axis=1)
         serial = steps * self.c.t_weights
         return serial + Wm.sum(axis=0), serial, d.longest_index % n_rep
+
+    def slots(self, b: int) -> int:
+        """Requests one replica admits at once for batch `b` (sequence cap or KV memory)."""
+        return self.data(b).slots
+
+    def chunk(self, b: int, lo: int, hi: int) -> ChunkTime:
+        """Samples lo..hi-1 of batch `b` on one replica, admitted together (continuous batching:
+        later waves fill the earliest-free slots when there are more than `slots`)."""
+        m = hi - lo
+        if m > 0 and lo % m == 0:
+            tab = self._chunk_table(b, m)
+            if tab is not None and lo // m < tab[0].size and (hi == tab[4] or (lo // m) < tab[0].size - 1):
+                i = lo // m
+                return ChunkTime(time_s=float(tab[0][i]), serial_s=float(tab[1][i]), body_s=float(tab[2][i]),
+                                 longest_tokens=int(tab[3][i]))
+        return self._chunk(b, lo, hi)
+
+    def _chunk_table(self, b: int, m: int):
+        """Every chunk [i*m, (i+1)*m) of batch `b` at once (vectorised; the last may be shorter),
+        when m fits the slots; cached. (time, serial, body, longest, num_samples) arrays."""
+        key = (b, m)
+        hit = self._chunk_tables.get(key)
+        if hit is not None or key in self._chunk_tables:
+            return hit
+        d = self.data(b)
+        n = d.L.size
+        if m > d.slots or n == 0:
+            self._chunk_tables[key] = None
+            return None
+        rows = -(-n // m)
+        pad = rows * m - n
+        Lm = np.concatenate([d.L, np.zeros(pad)]).reshape(rows, m)
+        Wm = np.concatenate([d.work, np.zeros(pad)]).reshape(rows, m)
+        top = np.argmax(Lm, axis=1)
+        idx = np.arange(rows)
+        l_max = Lm[idx, top]
+        w_max = Wm[idx, top]
+        l_2 = np.partition(Lm, m - 2, axis=1)[:, m - 2] if m >= 2 else np.zeros(rows)
+        serial = l_max * self.c.t_weights
+        time_s = serial + Wm.sum(axis=1)
+        tail_steps = l_max - l_2
+        frac = np.where(l_max > 0, tail_steps / np.maximum(l_max, 1.0), 0.0)
+        body = np.maximum(time_s - tail_steps * self.c.t_weights - w_max * frac, 0.0)
+        tab = (time_s, serial, body, l_max.astype(np.int64), n)
+        if len(self._chunk_tables) > 4 * self._batch_cache + 64:
+            self._chunk_tables.clear()
+        self._chunk_tables[key] = tab
+        return tab
+
+    def _chunk(self, b: int, lo: int, hi: int) -> ChunkTime:
+        d = self.data(b)
+        L = d.L[lo:hi]
+        m = int(L.size)
+        if m == 0:
+            return ChunkTime(time_s=0.0, serial_s=0.0, body_s=0.0, longest_tokens=0)
+        work = float(d.work_cum[hi] - d.work_cum[lo])
+        top = int(np.argmax(L))
+        l_max = float(L[top])
+        if m <= d.slots:
+            steps = l_max
+        else:
+            ends = np.zeros(d.slots)
+            for w in range(0, m, d.slots):
+                chunk = L[w:w + d.slots]
+                ends.sort()
+                ends[:chunk.size] += chunk
+            steps = float(ends.max())
+        serial = steps * self.c.t_weights
+        l_2 = float(np.partition(L, m - 2)[m - 2]) if m >= 2 else 0.0
+        tail_steps = min(l_max - l_2, steps)
+        tail = tail_steps * self.c.t_weights + float(d.work[lo + top]) * (tail_steps / l_max if l_max > 0 else 0.0)
+        return ChunkTime(time_s=serial + work, serial_s=serial, body_s=max(serial + work - tail, 0.0),
+                         longest_tokens=int(l_max))
 
     def rollout(self, b: int, num_rollout: int) -> RolloutTime:
         key = (b, num_rollout)

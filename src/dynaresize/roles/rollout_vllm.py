@@ -1,0 +1,596 @@
+"""The vLLM rollout engine: an in-process `vllm.LLM` behind the `RolloutEngine` interface.
+
+Lifecycle (docs/rollout.md has the measured costs):
+- `start(state_dict, version)` creates the engine in this process (`load_format="dummy"`:
+  nothing is read from or written to disk but the model's config and tokenizer, which come
+  from `ModelConfig.path` or, for the built-in tiny model, a temporary directory kept until
+  `release`), allocates its KV cache (`kv_cache_bytes`; vLLM cannot allocate it separately),
+  then loads `state_dict` in place and runs a two-token warm-up request.
+- `load_weights(state_dict, version)` updates the running engine in place: the worker's
+  `model_runner.reload_weights(weights_iterator=...)` through `collective_rpc`, in chunks of
+  whole decoder layers (a fused group, q/k/v, gate/up or weight+bias, is never split across
+  calls: vLLM would process a half-loaded layer), then the tied lm_head is re-dispatched (on
+  CPU its GEMM handle is built from the embedding at load time) and the prefix cache reset.
+- `release()` tears the engine down and frees its memory (on CPU `sleep` frees nothing);
+  `park()`/`unpark()` use vLLM's sleep mode where it frees memory (CUDA), else do nothing.
+
+Sampling: every request is its own vLLM request with `SamplingParams(seed=GenRequest.seed)`,
+so its tokens depend on (weights, prompt, seed, forced_length), not on its batch (checked in
+tests/dist/test_rollout_vllm.py). Log-probs are vLLM's `processed_logprobs` of the sampled
+tokens: log_softmax(logits / temperature), as the HF engine returns. Numerics differ slightly
+with batch composition (CPU: up to ~3e-5), unlike the HF engine's fixed-shape batches.
+
+Process state: vLLM's CPU worker replaces `torch.set_num_threads` by a no-op, reseeds the
+global RNGs and sets environment variables (LD_PRELOAD among them) when it starts. Every
+entry point here restores the thread function and count, the RNG states and the environment,
+so the worker's own math and later subprocesses are unaffected. Its torch.distributed set-up
+is kept apart from the worker's world by `roles/vllm_world.py`. One engine per process.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import itertools
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from dynaresize.config import ModelConfig
+from dynaresize.roles.base import GenRequest, GenResult, vllm_model_problem
+
+# Set for the engine's creation: in-process engine core (no subprocess), no usage reporting.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# Removed for the engine's creation: it would override `kv_cache_bytes` (in whole GiB).
+OVERRIDING_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+# ---------------------------------------------------------------- digests and chunks
+
+
+def state_dict_digest(state_dict: Mapping[str, Any], names: Iterable[str] | None = None,
+                      dtype: torch.dtype = torch.float32) -> str:
+    """`roles.weight_sync.weights_digest` of the named tensors of `state_dict` (all by default).
+
+    The engine's `weights_digest` computes the same from the weights it actually computes
+    with, so equal digests mean the engine holds exactly these weights."""
+    from dynaresize.roles.weight_sync import weights_digest
+
+    return weights_digest(((n, state_dict[n]) for n in (state_dict if names is None else names)), dtype)
+
+
+def weight_groups(names: Iterable[str]) -> list[list[str]]:
+    """Names grouped so that every decoder layer (hence every fused group of it) is one group;
+    weights outside the layers (embeddings, final norm, lm_head) form one more group."""
+    layers: dict[str, list[str]] = {}
+    rest: list[str] = []
+    for name in names:
+        m = _LAYER.search(name)
+        if m:
+            layers.setdefault(name[:m.end()], []).append(name)
+        else:
+            rest.append(name)
+    groups = [layers[k] for k in sorted(layers, key=lambda k: (int(_LAYER.search(k).group(2)), k))]
+    return groups + ([rest] if rest else [])
+
+
+def weight_chunks(state_dict: Mapping[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    """`weight_groups` packed in order into chunks of at most `max_bytes` (a group larger than
+    that is a chunk of its own; None or 0: one chunk)."""
+    groups = weight_groups(state_dict)
+    if not max_bytes:
+        return [[n for g in groups for n in g]] if groups else []
+    chunks: list[list[str]] = []
+    size = 0
+    for g in groups:
+        g_bytes = sum(state_dict[n].numel() * state_dict[n].element_size() for n in g)
+        if chunks and size + g_bytes <= max_bytes:
+            chunks[-1].extend(g)
+            size += g_bytes
+        else:
+            chunks.append(list(g))
+            size = g_bytes
+    return chunks
+
+
+# ---------------------------------------------------------------- process state
+
+
+@contextmanager
+def preserve_process_state(*, env: bool = True):
+    """Restore torch's thread function and count, the global RNGs and (optionally) the
+    environment after the block: vLLM changes all of them when it starts."""
+    import numpy as np
+
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    py_rng, np_rng, torch_rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    saved_env = dict(os.environ) if env else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        random.setstate(py_rng)
+        np.random.set_state(np_rng)
+        torch.set_rng_state(torch_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        if saved_env is not None:
+            _restore_env(saved_env)
+
+
+def _restore_env(saved: dict[str, str]) -> None:
+    """Undo environment changes, except new VLLM_* variables (vLLM's own, read again later)."""
+    for key in list(os.environ):
+        if key not in saved and not key.startswith("VLLM_"):
+            del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+# ---------------------------------------------------------------- worker-side functions
+# Run inside vLLM's worker through `collective_rpc` (first argument: the worker). Module-level
+# so they would also pickle to a worker process.
+
+
+def _rpc_reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = layerwise.level
+    layerwise.setLevel(logging.ERROR)  # "RotaryEmbedding: Failed to load weights": its cache is not a weight
+    try:
+        worker.model_runner.reload_weights(weights_iterator=iter(items))
+    finally:
+        layerwise.setLevel(level)
+
+
+def _rpc_redispatch_tied_head(worker: Any) -> bool:
+    """Rebuild the tied lm_head's kernel state from the (reloaded) embedding weights."""
+    model = worker.model_runner.get_model()
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return False
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+    return True
+
+
+def _rpc_weight_shapes(worker: Any) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in _engine_tensors(worker.model_runner.get_model(), materialize=False)}
+
+
+def _rpc_digest(worker: Any, names: list[str] | None, dtype: torch.dtype) -> str:
+    tensors = dict(_engine_tensors(worker.model_runner.get_model(), materialize=True, only=names))
+    missing = sorted(set(names or ()) - set(tensors))
+    if missing:
+        raise KeyError(f"the engine holds no weight named {missing[:5]}")
+    return state_dict_digest(tensors, names, dtype)
+
+
+def _rpc_kv_cache_bytes(worker: Any) -> int:
+    seen, total = set(), 0
+    for t in getattr(worker.model_runner, "kv_caches", None) or []:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _engine_tensors(model: torch.nn.Module, *, materialize: bool, only: Sequence[str] | None = None):
+    """(checkpoint name, tensor) for every weight the engine computes with, named as the
+    trainer's (HF) state dict names them: fused q/k/v and gate/up split back, vocabulary
+    padding cut off. On CPU, vLLM repacks linear weights into kernel handles and frees the
+    originals; those are read back exactly by multiplying the kernel with the identity
+    (fp32: each output is one weight times 1 plus exact zeros). With `materialize=False` the
+    tensors are meta tensors of the right shape (no compute)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    wanted = None if only is None else set(only)
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    for mod_name, mod in model.named_modules():
+        params = dict(mod.named_parameters(recurse=False))
+        if not params:
+            continue
+        prefix = f"{mod_name}." if mod_name else ""
+        leaf = mod_name.rsplit(".", 1)[-1]
+        parent = mod_name[:-len(leaf)]
+        is_vocab = hasattr(mod, "org_vocab_size") and hasattr(mod, "embedding_dim")
+        for pname in params:
+            sizes: list[int] | None = None
+            names = [f"{prefix}{pname}"]
+            if leaf in packed and pname in ("weight", "bias") and hasattr(mod, "output_sizes"):
+                names = [f"{parent}{sub}.{pname}" for sub in packed[leaf]]
+                sizes = [int(s) for s in mod.output_sizes]
+            if wanted is not None and not wanted.intersection(names):
+                continue
+            if pname == "weight" and isinstance(mod, (LinearBase, ParallelLMHead)):
+                full = _linear_weight(mod, materialize)  # what the matmul uses (the embedding: its table)
+            else:
+                full = params[pname].detach() if materialize else params[pname].detach().to("meta")
+            if is_vocab and full.dim() == 2:
+                full = full[:mod.org_vocab_size]
+            if sizes is None:
+                yield names[0], full
+            else:
+                for name, part in zip(names, torch.split(full, sizes, dim=0)):
+                    yield name, part
+
+
+def _linear_weight(mod: torch.nn.Module, materialize: bool, rows_per_probe: int = 1024) -> torch.Tensor:
+    """The (out, in) weight a linear (or lm_head) module computes with."""
+    w = mod.weight
+    if hasattr(mod, "embedding_dim"):  # ParallelLMHead / VocabParallelEmbedding
+        n_out, n_in = int(mod.num_embeddings_per_partition), int(mod.embedding_dim)
+    else:
+        n_out, n_in = int(mod.output_size_per_partition), int(mod.input_size_per_partition)
+    if not materialize:
+        return torch.empty((n_out, n_in), dtype=w.dtype, device="meta")
+    kernel = getattr(mod, "cpu_linear", None)
+    if kernel is None:
+        return w.detach()
+    with torch.no_grad():
+        cols = []
+        for lo in range(0, n_in, rows_per_probe):
+            hi = min(n_in, lo + rows_per_probe)
+            eye = torch.zeros((hi - lo, n_in), dtype=w.dtype)
+            eye[torch.arange(hi - lo), torch.arange(lo, hi)] = 1
+            cols.append(kernel(eye, w, None))  # (hi-lo, n_out) = W[:, lo:hi]^T
+        return torch.cat(cols, dim=0).t().contiguous()
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class VLLMRolloutEngine:
+    """A `RolloutEngine` on an in-process vLLM engine (see the module docstring).
+
+    Args:
+        model_cfg: the policy model (`path` None: the built-in tiny Qwen2).
+        temperature: sampling temperature (> 0); log-probs are under it.
+        max_num_seqs: requests the engine decodes at once (vLLM's `max_num_seqs`).
+        max_model_len: longest prompt + response in tokens; 0: the model's own limit.
+        kv_cache_bytes: KV cache size; 0: vLLM decides (CPU: `VLLM_CPU_KVCACHE_SPACE` or
+            a large default; CUDA: `gpu_memory_utilization`).
+        dtype: weights and compute dtype ("float32": the HF engine's and trainer's).
+        seed: the engine's own seed (every request carries its own; this seeds nothing of ours).
+        prefix_caching: reuse the KV of shared prompt blocks (GRPO groups); off makes a
+            sample's numerics independent of earlier requests (deterministic mode).
+        load_chunk_bytes: weights per `reload_weights` call (whole layers); 0: one call.
+        warmup: run a two-token request at start (the first call with log-probs compiles vLLM's
+            log-prob gather, ~3 s on CPU, once per process).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, temperature: float, *, max_num_seqs: int = 64,
+                 max_model_len: int = 0, kv_cache_bytes: int = 256 << 20, dtype: str = "float32",
+                 seed: int = 0, prefix_caching: bool = True, load_chunk_bytes: int = 0,
+                 warmup: bool = True) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_model_len < 0 or kv_cache_bytes < 0 or load_chunk_bytes < 0:
+            raise ValueError("max_model_len, kv_cache_bytes and load_chunk_bytes must be >= 0")
+        problem = vllm_model_problem(model_cfg)
+        if problem:
+            from dynaresize.errors import UserError
+
+            raise UserError(f"rollout.engine=vllm: {problem}; use rollout.engine=hf")
+        self.model_cfg = model_cfg
+        self.temperature = float(temperature)
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_model_len = int(max_model_len)
+        self.kv_cache_bytes = int(kv_cache_bytes)
+        self.dtype = dtype
+        self.seed = int(seed)
+        self.prefix_caching = bool(prefix_caching)
+        self.load_chunk_bytes = int(load_chunk_bytes)
+        self.warmup = bool(warmup)
+        self.version = -1
+        self.timings: dict[str, float] = {}  # seconds of the last start / load_weights / release
+        self._llm: Any = None
+        self._world: Any = None
+        self._tmpdir: str | None = None
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._tied = False
+        self._eos_ids: set[int] = set()
+        self._parked = False
+        self._request_ids = itertools.count()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def loaded(self) -> bool:
+        return self._llm is not None
+
+    def set_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """`start` if released, else `load_weights`."""
+        if self._llm is None:
+            self.start(state_dict, version)
+        else:
+            self.load_weights(state_dict, version)
+
+    def start(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Create the engine (KV cache included), load `state_dict` into it, warm it up."""
+        if self._llm is not None:
+            raise RuntimeError("vLLM engine already started; use load_weights")
+        t0 = time.perf_counter()
+        model_dir = self._model_dir()
+        with preserve_process_state():
+            for key, value in ENGINE_ENV.items():
+                os.environ[key] = value
+            for key in OVERRIDING_ENV:
+                os.environ.pop(key, None)
+            from vllm import LLM
+
+            from dynaresize.roles.vllm_world import install_safe_cleanup, vllm_world
+
+            install_safe_cleanup()
+            kwargs = self.engine_kwargs()
+            try:
+                with vllm_world() as world:
+                    self._world = world
+                    self._llm = LLM(model=model_dir, **kwargs)
+            except BaseException:
+                self._llm = None
+                self._drop_tmpdir()
+                raise
+            gc.unfreeze()  # vLLM freezes the heap at start; the worker's objects stay collectable
+        t1 = time.perf_counter()
+        try:
+            self._shapes = self._llm.collective_rpc(_rpc_weight_shapes)[0]
+            hf = self._llm.llm_engine.model_config.hf_config
+            hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+            self._tied = bool(getattr(hf, "tie_word_embeddings", False))
+            self._eos_ids = self._find_eos_ids()
+            self._load(state_dict)
+            self.version = int(version)
+            t2 = time.perf_counter()
+            if self.warmup:
+                self._warmup()
+        except BaseException:
+            self.release()
+            raise
+        t3 = time.perf_counter()
+        self.timings = {"start_s": t3 - t0, "create_s": t1 - t0, "load_s": t2 - t1, "warmup_s": t3 - t2}
+
+    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Update the running engine's weights in place (every weight, strictly)."""
+        if self._llm is None:
+            raise RuntimeError("vLLM engine is released; call start or set_weights first")
+        t0 = time.perf_counter()
+        self._load(state_dict)
+        self.version = int(version)
+        self.timings = {"load_s": time.perf_counter() - t0}
+
+    def _load(self, state_dict: Mapping[str, Any]) -> None:
+        self._check_names(state_dict)
+        sd = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in state_dict.items()}
+        with preserve_process_state(env=False):
+            for chunk in weight_chunks(sd, self.load_chunk_bytes):
+                self._llm.collective_rpc(_rpc_reload, args=([(n, sd[n]) for n in chunk],))
+            if self._tied:
+                self._llm.collective_rpc(_rpc_redispatch_tied_head)
+            self._llm.reset_prefix_cache()
+
+    def _check_names(self, state_dict: Mapping[str, Any]) -> None:
+        names = set(state_dict)
+        optional = {"lm_head.weight"} if self._tied else set()
+        missing = sorted(set(self._shapes) - optional - names)
+        unexpected = sorted(names - set(self._shapes))
+        if missing or unexpected:
+            raise RuntimeError(f"vLLM engine weights: missing key(s) {missing[:8]}, unexpected key(s) "
+                               f"{unexpected[:8]} (of {len(names)} given, {len(self._shapes)} expected)")
+        for name in sorted(names):
+            shape = tuple(state_dict[name].shape)
+            if shape != self._shapes[name]:
+                raise RuntimeError(f"vLLM engine weights: {name} has shape {shape}, the engine {self._shapes[name]}")
+
+    def release(self) -> None:
+        """Tear the engine down: model, KV cache, its process groups; `start` builds it again."""
+        t0 = time.perf_counter()
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            with preserve_process_state(env=False):
+                try:
+                    llm.llm_engine.engine_core.shutdown()  # -> roles.vllm_world's safe cleanup
+                finally:
+                    del llm
+                    from dynaresize.roles.vllm_world import destroy_vllm_world
+
+                    destroy_vllm_world(self._world)  # a no-op when shutdown already did it
+                    self._world = None
+                    gc.collect()
+        self._parked = False
+        self._drop_tmpdir()
+        self.timings = {"release_s": time.perf_counter() - t0}
+
+    def park(self) -> bool:
+        """Free the engine's memory but keep it warm, where the platform can (vLLM sleep mode
+        level 1 on CUDA: weights to host memory, KV cache dropped). Returns whether memory was
+        freed; False on CPU, where sleep is a no-op: call `release` to free memory there."""
+        if self._llm is None or self._parked or not self._sleep_mode():
+            return False
+        self._llm.sleep(level=1)
+        self._parked = True
+        return True
+
+    def unpark(self) -> None:
+        """Undo `park` (wake the engine); a no-op if it is not parked."""
+        if self._llm is not None and self._parked:
+            self._llm.wake_up()
+            self._llm.reset_prefix_cache()
+            self._parked = False
+
+    def alloc_kv_cache(self) -> int:
+        """Bytes of the engine's KV cache. vLLM allocates it when the engine starts and cannot
+        allocate it separately, so this only reports it (0 when released)."""
+        if self._llm is None:
+            return 0
+        return int(self._llm.collective_rpc(_rpc_kv_cache_bytes)[0])
+
+    def engine_settings(self) -> dict:
+        """The settings the running engine actually uses (for records and tests)."""
+        if self._llm is None:
+            return {}
+        vc = self._llm.llm_engine.vllm_config
+        return {"max_num_seqs": int(vc.scheduler_config.max_num_seqs),
+                "max_model_len": int(vc.model_config.max_model_len),
+                "kv_cache_memory_bytes": vc.cache_config.kv_cache_memory_bytes,
+                "kv_cache_bytes": self.alloc_kv_cache(),
+                "dtype": str(vc.model_config.dtype).replace("torch.", ""),
+                "enable_prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+                "enable_chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill),
+                "logprobs_mode": str(vc.model_config.logprobs_mode),
+                "tied_embeddings": self._tied}
+
+    def engine_kwargs(self) -> dict:
+        """The `vllm.LLM` arguments this engine is created with."""
+        kwargs: dict[str, Any] = dict(
+            load_format="dummy",  # weights come from `start`'s state dict, never from disk
+            dtype=self.dtype, seed=self.seed, tensor_parallel_size=1,
+            max_num_seqs=self.max_num_seqs,
+            enable_chunked_prefill=False,  # a prompt is always prefilled whole: no split-dependent numerics
+            enable_prefix_caching=self.prefix_caching,
+            logprobs_mode="processed_logprobs",  # log_softmax(logits / temperature)
+            enforce_eager=True,  # no torch.compile / graph capture: seconds, not minutes, per start
+            disable_log_stats=True,
+        )
+        if self.max_model_len:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes
+        if self._sleep_mode():
+            kwargs["enable_sleep_mode"] = True
+        return kwargs
+
+    @staticmethod
+    def _sleep_mode() -> bool:
+        return torch.cuda.is_available()
+
+    def _model_dir(self) -> str:
+        if self.model_cfg.path is not None:
+            return str(self.model_cfg.path)
+        from dynaresize.rl.models import build_tokenizer, qwen2_config
+
+        self._tmpdir = tempfile.mkdtemp(prefix="dynaresize-vllm-")
+        qwen2_config(self.model_cfg).save_pretrained(self._tmpdir)
+        build_tokenizer(self.model_cfg.vocab_size).save_pretrained(self._tmpdir)
+        return self._tmpdir
+
+    def _drop_tmpdir(self) -> None:
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def _find_eos_ids(self) -> set[int]:
+        hf = self._llm.llm_engine.model_config.hf_config
+        eos = getattr(hf, "eos_token_id", None)
+        return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+    def _warmup(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        with preserve_process_state(env=False):
+            # Two tokens with log-probs: vLLM compiles its log-prob gather (torch.compile) on first use.
+            self._llm.generate([TokensPrompt(prompt_token_ids=[0])],
+                               SamplingParams(max_tokens=2, seed=0, temperature=self.temperature, logprobs=0,
+                                              ignore_eos=True, detokenize=False), use_tqdm=False)
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        """One result per request, in request order."""
+        if self._llm is None:
+            raise RuntimeError("vLLM engine is released; call set_weights first")
+        if self._parked:
+            raise RuntimeError("vLLM engine is parked; call unpark first")
+        limit = int(self._llm.llm_engine.vllm_config.model_config.max_model_len)
+        for r in requests:
+            if not r.prompt_ids:
+                raise ValueError(f"sample {r.sample_id}: empty prompt")
+            if _target_len(r) < 0:
+                raise ValueError(f"sample {r.sample_id}: negative length {_target_len(r)}")
+            if len(r.prompt_ids) + _target_len(r) > limit:
+                raise ValueError(f"sample {r.sample_id}: prompt {len(r.prompt_ids)} + response "
+                                 f"{_target_len(r)} tokens exceed max_model_len {limit} (rollout.vllm_max_model_len)")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        t0 = time.perf_counter()
+        results: list[GenResult | None] = [None] * len(requests)
+        todo = []
+        for i, r in enumerate(requests):
+            if _target_len(r) == 0:
+                results[i] = GenResult(sample_id=tuple(r.sample_id), response_ids=[], logprobs=[],
+                                       version=self.version, duration_s=0.0)
+            else:
+                todo.append(i)
+        if todo:
+            prompts = [TokensPrompt(prompt_token_ids=list(map(int, requests[i].prompt_ids))) for i in todo]
+            params = [SamplingParams(
+                n=1, temperature=self.temperature, top_p=1.0, top_k=0, min_p=0.0, seed=int(requests[i].seed),
+                max_tokens=_target_len(requests[i]), ignore_eos=requests[i].forced_length is not None,
+                logprobs=0, detokenize=False, skip_special_tokens=False,
+                output_kind=RequestOutputKind.FINAL_ONLY) for i in todo]
+            with preserve_process_state(env=False):
+                engine = self._llm.llm_engine
+                index: dict[str, int] = {}
+                for i, prompt, sp in zip(todo, prompts, params):
+                    rid = f"dynaresize-{next(self._request_ids)}"
+                    internal = engine.add_request(rid, prompt, sp)
+                    index[rid] = i
+                    if isinstance(internal, str):
+                        index[internal] = i
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            i = index[out.request_id]
+                            results[i] = self._result(requests[i], out, time.perf_counter() - t0)
+        missing = [requests[i].sample_id for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"vLLM engine returned no output for samples {missing[:5]}")
+        return results  # type: ignore[return-value]
+
+    def _result(self, req: GenRequest, out: Any, duration_s: float) -> GenResult:
+        comp = out.outputs[0]
+        tokens = [int(t) for t in comp.token_ids]
+        logprobs = []
+        for tok, entry in zip(tokens, comp.logprobs or []):
+            logprobs.append(float(entry[tok].logprob))
+        if len(logprobs) != len(tokens):
+            raise RuntimeError(f"sample {req.sample_id}: {len(logprobs)} log-probs for {len(tokens)} tokens")
+        return GenResult(sample_id=tuple(req.sample_id), response_ids=tokens, logprobs=logprobs,
+                         version=self.version, duration_s=float(duration_s))
+
+    # -- checks ------------------------------------------------------------------------------
+    def weight_names(self) -> list[str]:
+        """The checkpoint (trainer) names of the engine's weights."""
+        return sorted(self._shapes)
+
+    def weights_digest(self, names: Iterable[str] | None = None) -> str:
+        """`state_dict_digest` of the weights the engine computes with, read back from it
+        (not from what was sent), under the trainer's names. `names` None: every weight."""
+        if self._llm is None:
+            raise RuntimeError("vLLM engine is released")
+        wanted = sorted(self._shapes if names is None else names)
+        dtype = getattr(torch, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        with preserve_process_state(env=False):
+            return self._llm.collective_rpc(_rpc_digest, args=(wanted, dtype))[0]
+
+
+def _target_len(r: GenRequest) -> int:
+    return int(r.forced_length) if r.forced_length is not None else int(r.max_new_tokens)

@@ -1,0 +1,546 @@
+"""The streaming pipeline (staleness eta >= 2), driven by the same controller as `sim.engine`.
+
+Semantics (issue 11):
+- the samples of step k are generated with the weights of version v(k) = max(0, k - eta);
+  version v exists once training step v-1 has ended and the trainers have published it;
+- step k is *released* when v(k) exists. Dispatch: a step is cut into shares of
+  ceil(samples / replicas) consecutive samples (a prompt's samples stay together: one engine
+  request with n samples), at most `slots` each (what a replica admits at once); every free
+  replica takes the next share of the oldest released step (first-in first-out), runs it as one
+  continuous batch (`StageModel.chunk`), and, holding one weight version, takes its next share
+  when that one is done. So a replica that has finished its share of step k goes on with step
+  k+1, k+2, ... as soon as their weights exist, instead of waiting for the step's longest
+  response; a fast replica may take several shares of a step, a slow one fewer. A replica
+  whose weights are older than the share's version first pulls that version (`costs.sync_s`,
+  counted as work). Taking bigger shares when few replicas are free would raise each
+  replica's concurrency (more samples/s) but lengthen the step's rollout latency, which the
+  window must cover (docs/pipeline.md measures both); the even share keeps latency lowest.
+- training step k starts when every chunk of step k has ended (GRPO groups stay whole) and the
+  trainers are free; when it ends the trainers publish version k+1 (`costs.publish_s`) and the
+  controller gets step k's report. Which weights generate a sample depends only on its step.
+
+Bounded window: step k is released only after training step k-eta-1 has ended, so at most
+eta+1 steps are in rollout at once and at most eta+1 steps' samples are buffered; every engine
+holds one version; at most eta+1 versions are live (the staging buffer keeps a version until the
+last replica that needs it has pulled it).
+
+Partial rollout (`partial=True`): a replica takes its next chunk as soon as only its current
+chunk's longest request is left; that request keeps decoding in the same engine iterations,
+under the newer weights the next chunk pulls (its end moves by the pull's pause). Its tokens
+then come from a range of versions whose oldest is v(k), so consumed_step - oldest <= eta
+still holds (counted in the summary). On real workers this mode is not deterministic.
+
+Resizes (same controller, plans and op costs as `sim.engine`):
+- train -> rollout, at the training boundary where the report is made: the remaining trainers
+  stall until the parameter shards have moved (the plan's chain up to move_param_shards); the
+  moving devices become a replica once the plan's critical path has run; the optimizer shards
+  must arrive before the next optimizer step (else that training step waits).
+- rollout -> train: DRAIN (chosen over migrate). The moving replicas get no new chunk (stop
+  routing) and finish the chunk they run (useful work); once no request is in flight on them
+  (partial tails included) they release their engines and join the trainers at the next
+  training boundary, where all trainers stall for join_train_group + receive_param_shards.
+  Migrating would re-prefill the moved requests elsewhere (REFERENCES 3.4: <= 3 s) and throw
+  away their decoded KV; a drain costs only the time the drained devices wait for the boundary.
+  The policy is told the measured cost of a move as the resize idle it caused, in seconds of
+  the whole cluster (device-seconds / devices), the same unit as a lock-step stall.
+
+Idle accounting, device-seconds, the documented definition (weight sync counts as work):
+*bubble* = rollout devices with no chunk to run (the window is full: they wait for weights)
+plus trainers waiting for a step's last chunk (and for step 0); *resize* = devices on a
+resize's critical path, trainers stalled by it, drained devices waiting to join; no *tail*
+idle (a replica decoding one long request is busy, as in `sim.engine`). idle = bubble + resize
+and, without partial rollout, busy + idle = devices x total time (a unit test checks it).
+
+Pure except for the optional recorder.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dynaresize.control.controller import Controller, decision_fields
+from dynaresize.control.planner import JOIN_TRAIN_GROUP, MOVE_PARAM_SHARDS, RECEIVE_PARAM_SHARDS
+from dynaresize.control.state import Refusal
+from dynaresize.sim.costs import publish_s
+from dynaresize.sim.engine import PolicyResult, _Null
+from dynaresize.sim.resize import ResizeTiming, chain_timing, time_plan
+from dynaresize.sim.scenarios import Scenario
+from dynaresize.sim.stages import StageModel
+from dynaresize.types import ROLLOUT, Assignment, Bounds, ResizePlan, StepReport
+
+
+def rollout_version(step: int, staleness: int) -> int:
+    """The weight version that generates the samples of `step`: max(0, step - staleness)."""
+    return max(0, step - staleness)
+
+
+@dataclass(eq=False)
+class _Rep:
+    rid: int  # its first device
+    version: int = -1  # weights it holds (-1: none yet)
+    running: bool = False  # a chunk's body (without partial: the whole chunk) is running
+    tails: int = 0  # partial: chunks whose longest request still decodes here
+    draining: bool = False
+    idle_since: float | None = 0.0
+
+
+@dataclass(eq=False)
+class _Chunk:
+    step: int
+    rep: _Rep
+    end_s: float
+    version_max: int
+    token: int = 0
+
+
+@dataclass(eq=False)
+class _Step:
+    k: int
+    version: int
+    released_s: float
+    num_samples: int
+    slots: int
+    next: int = 0  # next sample to dispatch
+    left: int = 0  # chunks dispatched and not yet ended
+    chunks: int = 0
+    done_s: float | None = None
+    work_s: float = 0.0
+    serial_s: float = 0.0
+    sync_s: float = 0.0
+    version_max: int = 0
+    mixed: int = 0
+
+
+@dataclass(eq=False)
+class _Drain:
+    plan: ResizePlan
+    timing: ResizeTiming
+    decided_s: float
+    waiting: set  # replica ids not yet empty
+    drained_s: dict  # replica id -> when it was empty
+    ready_s: float | None = None  # when the drained devices can join the trainers
+
+
+class StreamEngine:
+    """One policy on the streaming pipeline; `run()` returns its PolicyResult."""
+
+    def __init__(self, scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *, start_rollout: int,
+                 staleness: int, partial: bool = False, reversal_window: int = 0, recorder=None,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        if staleness < 2:
+            raise ValueError(f"staleness={staleness}: the streaming engine needs >= 2 (1 is sim.engine)")
+        self.sc, self.stages, self.eta, self.partial = scenario, stages, int(staleness), bool(partial)
+        self.N, self.K, self.tp = scenario.num_devices, scenario.num_steps, stages.tp
+        self.rec = recorder if recorder is not None else _Null()
+        self.on_step = on_step
+        self.ctl = Controller(policy=policy, bounds=bounds, assignment=Assignment.split(self.N, start_rollout))
+        self.res = PolicyResult(policy=policy.name, num_devices=self.N, num_steps=self.K, start_rollout=start_rollout,
+                                staleness=self.eta, partial=self.partial, max_staleness=0)
+        self.reversal_window = reversal_window
+        self.lengths_wanted = bool(getattr(policy, "reads_response_lengths", True))
+        self.pull_s = stages.sync_s
+        self._heap: list = []
+        self._seq = 0
+        self.reps: dict[int, _Rep] = {rid: _Rep(rid) for rid in range(0, start_rollout, self.tp)}
+        self.active_reps = len(self.reps)  # replicas taking work (not draining)
+        self.num_train = self.N - start_rollout
+        self.steps: dict[int, _Step] = {}
+        self.queue: deque[_Step] = deque()
+        self.tails: dict[int, list[_Chunk]] = {}
+        self.train_next = 0
+        self.trainers_busy = False
+        self.stall_until = 0.0
+        self.trainer_idle_since: float | None = 0.0
+        self.opt_ready: float | None = None
+        self.drain: _Drain | None = None
+        self.measured_cost: float | None = None
+        self.train_start: dict[int, tuple[float, int]] = {}
+        self.train_dur: dict[int, float] = {}
+        self.publish: dict[int, float] = {}
+        self.rollout_wait = self.train_wait = self.resize_idle = 0.0
+        self.rollout_work = self.train_busy = 0.0
+        self.last_report_s = 0.0
+        self.idle_at_last_report = 0.0
+        self.done = False
+
+    # ------------------------------------------------------------------ event loop
+
+    def push(self, t: float, kind: str, data: Any = None) -> None:
+        heapq.heappush(self._heap, (t, self._seq, kind, data))
+        self._seq += 1
+
+    def run(self) -> PolicyResult:
+        for k in range(min(self.eta + 1, self.K)):
+            self.release(k, 0.0)  # version 0 exists from the start
+        self.dispatch(0.0)
+        handlers = {"done": self.on_done, "free": self.on_free, "chunk_end": self.on_chunk_end,
+                    "train_end": self.on_train_end, "published": self.on_published, "try_train": self.try_train,
+                    "join_rollout": self.on_join_rollout, "join_ready": self.on_join_ready}
+        while self._heap and not self.done:
+            t, _, kind, data = heapq.heappop(self._heap)
+            if data is None:
+                handlers[kind](t)
+            else:
+                handlers[kind](t, data)
+        if not self.done:
+            raise RuntimeError("streaming simulation stalled before the last step (a bug)")
+        return self.res
+
+    # ------------------------------------------------------------------ rollout
+
+    def release(self, k: int, now: float) -> None:
+        st = _Step(k=k, version=rollout_version(k, self.eta), released_s=now,
+                   num_samples=self.stages.batch(k).num_samples, slots=self.stages.slots(k))
+        st.version_max = st.version
+        self.steps[k] = st
+        self.queue.append(st)
+
+    def dispatch(self, now: float) -> None:
+        if not self.queue:
+            return
+        free = [r for r in self.reps.values() if not r.running and not r.draining]
+        if not free:
+            return
+        free.sort(key=lambda r: r.rid)
+        while free and self.queue:
+            st = self.queue[0]
+            share = min(st.slots, -(-st.num_samples // max(self.active_reps, 1)))
+            ready = [r for r in free if r.version == st.version]  # no pull needed: served first
+            order = ready + [r for r in free if r.version != st.version]
+            used = 0
+            for rep in order:
+                if st.next >= st.num_samples:
+                    break
+                self.start_chunk(rep, st, now, min(share, st.num_samples - st.next))
+                used += 1
+            free = order[used:]
+            free.sort(key=lambda r: r.rid)
+            if st.next >= st.num_samples:
+                self.queue.popleft()
+
+    def start_chunk(self, rep: _Rep, st: _Step, now: float, m: int) -> None:
+        lo = st.next
+        st.next += m
+        st.left += 1
+        st.chunks += 1
+        ch = self.stages.chunk(st.k, lo, lo + m)
+        pull = self.pull_s if rep.version != st.version else 0.0
+        if rep.idle_since is not None:
+            self.rollout_wait += (now - rep.idle_since) * self.tp
+            rep.idle_since = None
+        if pull > 0 and rep.tails:  # partial: running tails pause for the pull, then go on under the new weights
+            for c in self.tails[rep.rid]:
+                c.end_s += pull
+                c.token += 1
+                c.version_max = max(c.version_max, st.version)
+                self.push(c.end_s, "chunk_end", (c, c.token))
+        rep.version = st.version
+        t0 = now + pull
+        time_s = ch.time_s
+        end = t0 + time_s
+        body_end = t0 + ch.body_s if self.partial else end
+        st.work_s += time_s * self.tp
+        st.serial_s += ch.serial_s * self.tp
+        st.sync_s += pull * self.tp
+        self.rollout_work += (pull + time_s) * self.tp
+        c = _Chunk(step=st.k, rep=rep, end_s=end, version_max=st.version)
+        rep.running = True
+        if self.partial and end > body_end + 1e-9:
+            rep.tails += 1
+            self.tails.setdefault(rep.rid, []).append(c)
+            self.push(body_end, "free", rep)
+            self.push(end, "chunk_end", (c, c.token))
+        else:
+            self.push(end, "done", (c, c.token))
+
+    def on_done(self, now: float, data) -> None:
+        c, _ = data
+        self._chunk_ended(c, now)
+        self.on_free(now, c.rep)
+
+    def on_free(self, now: float, rep: _Rep) -> None:
+        rep.running = False
+        if rep.tails == 0:
+            rep.idle_since = now
+        if rep.draining:
+            self._check_drained(rep, now)
+        else:
+            self.dispatch(now)
+
+    def on_chunk_end(self, now: float, data) -> None:
+        c, token = data
+        if token != c.token:
+            return  # re-timed by a pull's pause
+        rep = c.rep
+        rep.tails -= 1
+        self.tails[rep.rid].remove(c)
+        if not rep.running and rep.tails == 0:
+            rep.idle_since = now
+            if rep.draining:
+                self._check_drained(rep, now)
+        self._chunk_ended(c, now)
+
+    def _chunk_ended(self, c: _Chunk, now: float) -> None:
+        st = self.steps[c.step]
+        st.left -= 1
+        if c.version_max > st.version:
+            st.mixed += 1
+            st.version_max = max(st.version_max, c.version_max)
+        if st.left == 0 and st.next >= st.num_samples:
+            st.done_s = now
+            self.try_train(now)
+
+    # ------------------------------------------------------------------ training
+
+    def try_train(self, now: float) -> None:
+        if self.trainers_busy or self.done:
+            return
+        if now < self.stall_until - 1e-12:
+            self.push(self.stall_until, "try_train")
+            return
+        d = self.drain
+        if d is not None and d.ready_s is not None and d.ready_s <= now + 1e-12:
+            self.apply_join(now)
+            return
+        k = self.train_next
+        st = self.steps.get(k)
+        if k >= self.K or st is None or st.done_s is None:
+            return
+        n = self.num_train
+        self._flush_trainers(now)
+        self.trainer_idle_since = None
+        dur = self.stages.train(k, n).time_s
+        if self.opt_ready is not None:
+            dur = max(dur, self.opt_ready - now)
+            self.opt_ready = None
+        self.trainers_busy = True
+        self.train_start[k] = (now, n)
+        self.train_dur[k] = dur
+        self.push(now + dur, "train_end", k)
+
+    def on_train_end(self, now: float, k: int) -> None:
+        start, n = self.train_start[k]
+        self.train_busy += (now - start) * n
+        self.train_next = k + 1
+        if k == self.K - 1:
+            self.publish[k] = 0.0
+            self.finish(now)
+            return
+        pub = publish_s(self.stages.model, n, self.stages.hw)
+        self.publish[k] = pub
+        self.train_busy += pub * n
+        self.push(now + pub, "published", k)
+
+    def on_published(self, now: float, k: int) -> None:
+        self.trainers_busy = False
+        self.trainer_idle_since = now
+        report = self.account(k, now)
+        if self.on_step is not None:
+            self.on_step(k)
+        for cmd in self.ctl.on_report(report):
+            self.apply(cmd, now, k)
+        self.rec.emit("decision", step=k, **decision_fields(self.ctl))
+        nxt = k + 1 + self.eta  # version k+1 now exists
+        if nxt < self.K:
+            self.release(nxt, now)
+        self.try_train(now)
+        self.dispatch(now)
+
+    def _flush_trainers(self, now: float) -> None:
+        if self.trainer_idle_since is not None and now > self.trainer_idle_since:
+            self.train_wait += (now - self.trainer_idle_since) * self.num_train
+            self.trainer_idle_since = now
+
+    # ------------------------------------------------------------------ resizes
+
+    def apply(self, cmd, now: float, k: int) -> None:
+        if isinstance(cmd, Refusal):
+            self.res.refusals += 1
+            self.rec.emit("refused", step=cmd.step, requested_rollout=cmd.requested_rollout, reason=cmd.reason)
+            return
+        assert isinstance(cmd, ResizePlan)
+        timing = time_plan(cmd, self.stages.model, self.stages.hw)
+        self.res.resizes += 1
+        self.res.resize_critical_s += timing.critical_s
+        self.res.resize_total_s += timing.total_s
+        chain = {name: (s, e) for name, _, s, e, _ in chain_timing(self.stages.model, cmd.to_role, cmd.src.num_train,
+                                                                    cmd.dst.num_train, len(cmd.moving),
+                                                                    self.stages.hw)}
+        if cmd.to_role == ROLLOUT:
+            m, n_old = len(cmd.moving), self.num_train
+            stall = chain[MOVE_PARAM_SHARDS][1]
+            self._flush_trainers(now)
+            cost = stall * (n_old - m) + timing.critical_s * m
+            self.resize_idle += cost
+            self.num_train = n_old - m
+            self.stall_until = now + stall
+            self.trainer_idle_since = now + stall
+            self.opt_ready = now + timing.optimizer_ready_s
+            self.measured_cost = cost / self.N
+            self._emit_resize(cmd, timing, k, now, now, drain_s=0.0, stall_device_s=cost)
+            self.push(now + timing.critical_s, "join_rollout", cmd)
+        else:
+            moving = set(cmd.moving)
+            rids = {rid for rid in self.reps if rid in moving}
+            self.drain = _Drain(plan=cmd, timing=timing, decided_s=now, waiting=set(rids), drained_s={})
+            for rid in sorted(rids):
+                rep = self.reps[rid]
+                rep.draining = True
+                self.active_reps -= 1
+                self._check_drained(rep, now)
+
+    def on_join_rollout(self, now: float, plan: ResizePlan) -> None:
+        for d in sorted(plan.moving)[:: self.tp]:
+            self.reps[d] = _Rep(rid=d, idle_since=now)
+            self.active_reps += 1
+        self.ctl.on_resize_done(plan.resize_id, *self._timing_pair(plan))
+        self.dispatch(now)
+
+    def _timing_pair(self, plan: ResizePlan) -> tuple[float, float]:
+        t = time_plan(plan, self.stages.model, self.stages.hw)
+        return t.critical_s, t.total_s
+
+    def _check_drained(self, rep: _Rep, now: float) -> None:
+        d = self.drain
+        if d is None or rep.rid not in d.waiting or rep.running or rep.tails:
+            return
+        d.waiting.discard(rep.rid)
+        d.drained_s[rep.rid] = now
+        if rep.idle_since is not None:
+            self.rollout_wait += (now - rep.idle_since) * self.tp
+        del self.reps[rep.rid]
+        if not d.waiting:
+            chain = chain_timing(self.stages.model, d.plan.to_role, d.plan.src.num_train, d.plan.dst.num_train,
+                                 len(d.plan.moving), self.stages.hw)
+            join_off = next(s for name, _, s, _, _ in chain if name == JOIN_TRAIN_GROUP)
+            d.ready_s = now + join_off
+            self.res.drain_s += now - d.decided_s
+            self.push(d.ready_s, "join_ready")
+
+    def on_join_ready(self, now: float) -> None:
+        if not self.trainers_busy and now >= self.stall_until - 1e-12:
+            self.apply_join(now)
+
+    def apply_join(self, now: float) -> None:
+        d = self.drain
+        assert d is not None and d.ready_s is not None
+        chain = {name: (s, e) for name, _, s, e, _ in chain_timing(self.stages.model, d.plan.to_role,
+                                                                    d.plan.src.num_train, d.plan.dst.num_train,
+                                                                    len(d.plan.moving), self.stages.hw)}
+        join_off = chain[JOIN_TRAIN_GROUP][0]
+        stall = chain[RECEIVE_PARAM_SHARDS][1] - join_off
+        n_old = self.num_train
+        self._flush_trainers(now)
+        transit = sum((now + stall - t) * self.tp for t in d.drained_s.values())
+        cost = stall * n_old + transit
+        self.resize_idle += cost
+        self.num_train = n_old + len(d.plan.moving)
+        self.stall_until = now + stall
+        self.trainer_idle_since = now + stall
+        self.opt_ready = now + d.timing.optimizer_ready_s - join_off
+        self.measured_cost = cost / self.N
+        self.drain = None
+        self._emit_resize(d.plan, d.timing, d.plan.step, min(d.drained_s.values()), now - join_off,
+                          drain_s=max(d.drained_s.values()) - d.decided_s, stall_device_s=cost)
+        self.ctl.on_resize_done(d.plan.resize_id, d.timing.critical_s, d.timing.total_s)
+        self.push(self.stall_until, "try_train")
+
+    def _emit_resize(self, plan: ResizePlan, timing: ResizeTiming, k: int, pre_base: float, base: float, *,
+                     drain_s: float, stall_device_s: float) -> None:
+        join_off = None
+        for op in timing.ops:
+            if op.name == JOIN_TRAIN_GROUP:
+                join_off = op.start_s
+        for op in timing.ops:
+            t0 = pre_base if (join_off is not None and op.start_s < join_off) else base
+            self.rec.emit("op", resize_id=plan.resize_id, name=op.name, device=op.device, start_s=t0 + op.start_s,
+                          end_s=t0 + op.end_s, bytes=op.bytes, critical=op.critical)
+        ends = {"from": plan.src.to_json(), "to": plan.dst.to_json()}
+        self.rec.emit("resize", resize_id=plan.resize_id, step=k, **ends, moving=list(plan.moving),
+                      to_role=plan.to_role, critical_s=timing.critical_s, total_s=timing.total_s,
+                      bytes=timing.bytes_moved, reason=plan.reason, drain_s=drain_s, stall_device_s=stall_device_s)
+
+    # ------------------------------------------------------------------ accounting
+
+    def idle_until(self, now: float) -> float:
+        """Idle device-seconds from the start up to `now` (without changing any state)."""
+        idle = self.rollout_wait + self.train_wait + self.resize_idle
+        for r in self.reps.values():
+            if r.idle_since is not None and now > r.idle_since:
+                idle += (now - r.idle_since) * self.tp
+        if self.trainer_idle_since is not None and now > self.trainer_idle_since:
+            idle += (now - self.trainer_idle_since) * self.num_train
+        if self.drain is not None:
+            idle += sum((now - t) * self.tp for t in self.drain.drained_s.values())
+        return idle
+
+    def account(self, k: int, now: float) -> StepReport:
+        st = self.steps[k]
+        start, n = self.train_start[k]
+        idle = self.idle_until(now)
+        step_idle = idle - self.idle_at_last_report
+        self.idle_at_last_report = idle
+        d = self.stages.data(k)
+        lengths = self.stages.batch(k).response_tokens
+        a = self.ctl.assignment
+        step_s = now - self.last_report_s
+        self.res.timeline.append((k, self.last_report_s, now, a.num_rollout))
+        self.res.max_staleness = max(self.res.max_staleness, k - st.version)
+        self.res.mixed_version_samples += st.mixed
+        self.res.max_version_span = max(self.res.max_version_span, st.version_max - st.version)
+        rollout_s = (st.done_s or now) - st.released_s
+        self.rec.emit("step", step=k, t_start_s=self.last_report_s, t_end_s=now, rollout_s=rollout_s,
+                      train_s=self.train_dur[k], sync_s=self.publish[k], num_rollout=a.num_rollout, num_train=n,
+                      idle_device_s=step_idle, tail_idle_device_s=0.0, step_s=step_s, staleness=self.eta,
+                      version=st.version, version_max=st.version_max, mixed_version_samples=st.mixed,
+                      released_s=st.released_s, rollout_done_s=st.done_s, train_start_s=start,
+                      rollout_work_s=st.work_s, rollout_serial_s=st.serial_s, rollout_sync_s=st.sync_s,
+                      rollout_chunks=st.chunks, rollout_floor_s=d.floor_s, rollout_slots=st.slots)
+        report = StepReport(step=k, now_s=now, num_rollout=a.num_rollout, num_train=n, rollout_s=rollout_s,
+                            train_s=self.train_dur[k], sync_s=self.publish[k], step_s=step_s,
+                            rollout_work_s=st.work_s, rollout_longest_s=d.floor_s,
+                            train_fixed_s=self.stages.model.train_comm_s, num_samples=int(lengths.size),
+                            response_tokens=int(lengths.sum()), idle_device_s=step_idle, tail_idle_device_s=0.0,
+                            resize_critical_s=self.measured_cost, rollout_floor_s=d.floor_s,
+                            rollout_longest_tokens=int(lengths.max()) if lengths.size else 0,
+                            rollout_chunks=st.chunks, rollout_slots=st.slots, rollout_serial_s=st.serial_s,
+                            rollout_sync_s=st.sync_s,
+                            response_lengths=tuple(lengths.tolist()) if self.lengths_wanted else ())
+        self.measured_cost = None
+        self.last_report_s = now
+        return report
+
+    def finish(self, now: float) -> None:
+        self.done = True
+        self.account(self.K - 1, now)
+        if self.on_step is not None:
+            self.on_step(self.K - 1)
+        res = self.res
+        if self.drain is not None:  # drained devices that never reached a training boundary
+            self.resize_idle += sum((now - t) * self.tp for t in self.drain.drained_s.values())
+        for r in self.reps.values():
+            if r.idle_since is not None:
+                self.rollout_wait += (now - r.idle_since) * self.tp
+                r.idle_since = now
+        res.total_time_s = now
+        res.rollout_wait_idle_device_s = self.rollout_wait
+        res.train_wait_idle_device_s = self.train_wait
+        res.resize_idle_device_s = self.resize_idle
+        res.bubble_idle_device_s = self.rollout_wait + self.train_wait
+        res.tail_idle_device_s = 0.0
+        res.idle_device_s = res.bubble_idle_device_s + res.resize_idle_device_s
+        res.busy_device_s = self.rollout_work + self.train_busy
+        res.rollout_devices_final = self.ctl.assignment.num_rollout
+        res.reversals = self.ctl.history.count_reversals(self.reversal_window)
+        res.num_samples = self.sc.total_samples()
+
+
+def run_stream(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *, start_rollout: int, staleness: int,
+               partial: bool = False, reversal_window: int = 0, recorder=None,
+               on_step: Callable[[int], None] | None = None) -> PolicyResult:
+    """Simulate one policy on the streaming pipeline (see the module docstring)."""
+    return StreamEngine(scenario, stages, policy, bounds, start_rollout=start_rollout, staleness=staleness,
+                        partial=partial, reversal_window=reversal_window, recorder=recorder, on_step=on_step).run()

@@ -1,0 +1,76 @@
+"""Workloads shared by the simulator and the runtime: response-length models and traces.
+
+The one call a runtime needs is `lengths_for_step(workload, step, n, seed)`: the response
+lengths of the `n` samples of ABSOLUTE step `step`, in sample order (prompt-major: sample
+`i` is sample `i % samples_per_prompt` of prompt `i // samples_per_prompt`). `workload` is a
+named model (`WORKLOADS`: longtail-drift, longtail-stationary, short-tail, cap-raise, demo) or
+the path of a JSONL trace (`workload.trace`). The answer never depends on how many steps the
+run was started for, nor on device counts: a resume with more steps continues the same job.
+
+Pure except reading a trace file (cached by path, size and modification time).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from dynaresize.errors import ConfigError, TraceError
+from dynaresize.workload.lengths import WORKLOADS, WorkloadSpec, get_workload, sample_lengths, sample_lengths_array
+from dynaresize.workload.trace import Batch, load_trace, load_trace_steps
+
+SAMPLES_PER_PROMPT = 16  # the simulator's GRPO group size (RollPacker's 8-16 samples per prompt)
+
+
+def lengths_for_step(workload: str, step: int, n: int, seed: int, *, samples_per_prompt: int = SAMPLES_PER_PROMPT,
+                     max_tokens: int | None = None) -> list[int]:
+    """Response lengths (tokens) of the `n` samples of absolute step `step`.
+
+    - A named workload: the model of `workload.lengths` with its cap rescaled to `max_tokens`
+      (default: the workload's own cap, `cap_tokens`); `n` need not be a multiple of
+      `samples_per_prompt` (the last prompt is cut short; every length stays what it would be
+      in a larger batch).
+    - A trace file: the first `n` responses of the line whose `step` equals `step`; with
+      `max_tokens`, scaled by `max_tokens / (longest response in the trace)` and rounded up,
+      so the trace's shape fits a smaller cap. `seed` does not change a trace's lengths.
+    Errors: an unknown name that is not a file is a ConfigError; a trace without that step, or
+    with fewer than `n` responses in it, a TraceError.
+    """
+    if n < 1 or samples_per_prompt < 1 or step < 0:
+        raise ValueError(f"need n >= 1, samples_per_prompt >= 1, step >= 0 (got {n}, {samples_per_prompt}, {step})")
+    if workload in WORKLOADS:
+        spec = WORKLOADS[workload]
+        prompts = -(-n // samples_per_prompt)
+        cap = spec.cap_tokens if max_tokens is None else int(max_tokens)
+        arr = sample_lengths_array(spec, step, prompts, samples_per_prompt, cap, seed)
+        return arr.ravel()[:n].tolist()
+    path = Path(workload)
+    if not path.is_file():
+        raise ConfigError([f"workload={workload!r}: neither a known workload ({', '.join(WORKLOADS)}) "
+                           "nor a trace file"])
+    st = os.stat(path)
+    by_step, longest = _trace_index(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    batch = by_step.get(int(step))
+    if batch is None:
+        raise TraceError(f"{path}: no line for step {step} (the trace has steps {min(by_step)}..{max(by_step)})")
+    if batch.num_samples < n:
+        raise TraceError(f"{path}: step {step} has {batch.num_samples} responses, {n} asked for")
+    lengths = batch.response_tokens[:n]
+    if max_tokens is not None:
+        scaled = np.ceil(lengths * (int(max_tokens) / max(longest, 1)))
+        lengths = np.clip(scaled, 1, int(max_tokens))
+    return [int(x) for x in lengths]
+
+
+@lru_cache(maxsize=8)
+def _trace_index(path: str, size: int, mtime_ns: int) -> tuple[dict[int, Batch], int]:
+    steps = load_trace_steps(path)
+    longest = max(int(b.response_tokens.max()) for _, b in steps)
+    return dict(steps), longest
+
+
+__all__ = ["WORKLOADS", "WorkloadSpec", "Batch", "get_workload", "sample_lengths", "sample_lengths_array",
+           "lengths_for_step", "load_trace", "SAMPLES_PER_PROMPT"]

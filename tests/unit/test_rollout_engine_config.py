@@ -1,0 +1,162 @@
+"""rollout.engine and the rollout.vllm_* fields: values, refusals (one line, exit 2), resolution,
+and that each vllm_* setting reaches the arguments the vLLM engine is created with.
+
+No engine is started here (tests/dist/test_rollout_vllm.py starts real ones); "installed" and
+"importable" are monkeypatched, so these run the same with or without vllm.
+"""
+
+import importlib.util
+
+import pytest
+
+from dynaresize.cli import main
+from dynaresize.config import build_config, config_to_dict
+from dynaresize.errors import ConfigError, UserError
+from dynaresize.roles import base
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    """vllm looks not installed (find_spec) and not importable."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(base, "_import_error", ["the vllm package is not installed"])
+
+
+@pytest.fixture
+def have_vllm(monkeypatch):
+    """vllm looks installed and importable (nothing is imported)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(base, "_import_error", [None])
+
+
+def _cfg(**rollout):
+    return build_config({"rollout": rollout})
+
+
+def test_defaults_and_round_trip():
+    r = build_config({}).rollout
+    assert (r.engine, r.vllm_max_num_seqs, r.vllm_max_model_len, r.vllm_kv_cache_bytes) == ("auto", 64, 0, 256 << 20)
+    data = config_to_dict(build_config({}))
+    assert "backend" not in data["rollout"]  # the temporary property is not saved
+    assert build_config(data) == build_config({})
+
+
+@pytest.mark.parametrize("engine", ["auto", "hf"])
+def test_engine_values_without_vllm(no_vllm, engine):
+    assert _cfg(engine=engine).rollout.engine == engine
+
+
+def test_vllm_accepted_where_installed(have_vllm):
+    assert _cfg(engine="vllm").rollout.engine == "vllm"
+
+
+def test_bad_engine_value_names_the_field():
+    with pytest.raises(ConfigError) as info:
+        _cfg(engine="sglang")
+    assert info.value.errors == ["rollout.engine='sglang': must be one of auto, vllm, hf"]
+
+
+def test_old_backend_key_is_refused_naming_the_new_field():
+    with pytest.raises(ConfigError) as info:
+        _cfg(backend="hf")
+    assert info.value.errors == ["rollout.backend='hf': renamed: use rollout.engine"]
+
+
+def test_vllm_not_installed_is_one_line(no_vllm):
+    with pytest.raises(ConfigError) as info:
+        _cfg(engine="vllm")
+    assert len(info.value.errors) == 1
+    assert info.value.errors[0].startswith("rollout.engine='vllm': the vllm package is not installed")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--set", "rollout.engine=vllm"], "rollout.engine='vllm': the vllm package is not installed"),
+    (["--set", "rollout.backend=hf"], "rollout.backend='hf': renamed: use rollout.engine"),
+])
+def test_cli_refusals_exit_2_with_one_line(no_vllm, tmp_path, capsys, args, needle):
+    code = main(["run", "--no-progress", "--out", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("vllm_max_num_seqs", 0, "must be >= 1"),
+    ("vllm_max_model_len", -1, "must be 0"),
+    ("vllm_max_model_len", 1, "must be 0"),
+    ("vllm_kv_cache_bytes", 1000, "must be 0"),
+    ("vllm_kv_cache_bytes", -5, "must be 0"),
+    ("vllm_max_num_seqs", "many", "must be an integer"),
+])
+def test_vllm_fields_are_validated(field, value, needle):
+    with pytest.raises(ConfigError) as info:
+        _cfg(**{field: value})
+    assert len(info.value.errors) == 1
+    assert info.value.errors[0].startswith(f"rollout.{field}={value!r}") and needle in info.value.errors[0]
+
+
+def test_resolve_engine(no_vllm, monkeypatch):
+    assert base.resolve_engine(_cfg(engine="hf")) == "hf"
+    assert base.resolve_engine(_cfg(engine="auto")) == "hf"  # not importable
+    monkeypatch.setattr(base, "_import_error", [None])  # importable from here on
+    assert base.resolve_engine(_cfg(engine="auto")) == "vllm"
+    det = build_config({"deterministic": True})
+    assert base.resolve_engine(det) == "hf"  # only hf log-probs are batch-invariant bit for bit
+    small_heads = build_config({"model": {"hidden_size": 64, "num_heads": 4}})  # head size 16
+    assert base.resolve_engine(small_heads) == "hf"
+    assert base.resolve_engine(build_config({}).rollout) == "hf"  # a bare RolloutConfig: no model known
+
+
+def test_resolve_engine_refuses_vllm_where_it_cannot_run(have_vllm, monkeypatch):
+    cfg = build_config({"rollout": {"engine": "vllm"}, "model": {"hidden_size": 64, "num_heads": 4}})
+    with pytest.raises(ConfigError, match=r"rollout.engine='vllm': attention head size 16"):
+        base.resolve_engine(cfg)
+    vllm_cfg = _cfg(engine="vllm")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match="not installed"):
+        base.resolve_engine(vllm_cfg)  # uninstalled after the config was built (another machine)
+
+
+def test_resolved_engine(have_vllm):
+    assert base.resolve_engine(_cfg(engine="hf")) == "hf"
+    assert base.resolve_engine(_cfg(engine="vllm")) == "vllm"
+
+
+def test_vllm_settings_reach_the_engine_arguments(have_vllm):
+    pytest.importorskip("torch")
+    from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
+
+    cfg = build_config({"seed": 7, "rollout": {"engine": "vllm", "vllm_max_num_seqs": 5,
+                                               "vllm_max_model_len": 300, "vllm_kv_cache_bytes": 3 << 20,
+                                               "temperature": 0.5}})
+    eng = base.rollout_engine_from_config(cfg)
+    assert isinstance(eng, VLLMRolloutEngine) and not eng.loaded
+    kw = eng.engine_kwargs()
+    assert (kw["max_num_seqs"], kw["max_model_len"], kw["kv_cache_memory_bytes"]) == (5, 300, 3 << 20)
+    assert (kw["seed"], kw["enable_prefix_caching"], eng.temperature) == (7, True, 0.5)
+    assert kw["enable_chunked_prefill"] is False and kw["logprobs_mode"] == "processed_logprobs"
+    auto_sized = base.rollout_engine_from_config(build_config({"rollout": {
+        "engine": "vllm", "vllm_max_model_len": 0, "vllm_kv_cache_bytes": 0}}))
+    assert "max_model_len" not in auto_sized.engine_kwargs()  # the model's own limit
+    assert "kv_cache_memory_bytes" not in auto_sized.engine_kwargs()  # vLLM sizes it
+
+
+def test_hf_engine_from_config(no_vllm):
+    pytest.importorskip("torch")
+    from dynaresize.roles.rollout_hf import HFRolloutEngine
+
+    eng = base.rollout_engine_from_config(_cfg(engine="auto", batch_rows=8))
+    assert isinstance(eng, HFRolloutEngine) and eng.batch_rows == 8
+
+
+def test_vllm_engine_refuses_small_heads():
+    pytest.importorskip("torch")
+    from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
+
+    with pytest.raises(UserError, match="head size 16"):
+        VLLMRolloutEngine(build_config({"model": {"hidden_size": 64, "num_heads": 4}}).model, 1.0)
