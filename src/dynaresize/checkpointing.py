@@ -22,6 +22,12 @@ Crash safety: a checkpoint is written into a new directory (a fresh name), compl
 directories are deleted only after. A crash at any moment leaves `latest.json` naming a
 complete checkpoint (or no `latest.json` at all, before the first one).
 
+Where: `checkpoint.dir` when set (a path every node sees, for runs on several nodes: the
+trainers of a resumed run read their shards from it; docs/cluster.md), else RUN_DIR/checkpoint.
+A `checkpoint.dir` belongs to one run: `owner.json` names the run directory, and another run
+is refused (it would delete the first run's checkpoints). On resume, every worker checks it
+sees the checkpoint before loading it.
+
 Resume validates everything (`load_resume_point`: pointer, digests, manifests, every shard's
 size and sha256) before the run directory is touched; any problem is one `CheckpointError` line.
 """
@@ -62,10 +68,39 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+OWNER = "owner.json"
+
+
+def checkpoint_root(run_dir: str | Path, checkpoint_dir: str | None) -> Path:
+    """The absolute directory of a run's checkpoints (`checkpoint.dir`, else RUN_DIR/checkpoint)."""
+    return Path(checkpoint_dir).expanduser().resolve() if checkpoint_dir else (Path(run_dir) / "checkpoint").resolve()
+
+
+def claim_root(root: Path, run_dir: Path) -> None:
+    """Make `root` this run's checkpoint directory; UserError if it is another run's."""
+    from dynaresize.errors import UserError
+
+    owner = root / OWNER
+    me = str(Path(run_dir).resolve())
+    if owner.is_file():
+        try:
+            theirs = json.loads(owner.read_text()).get("run_dir")
+        except ValueError:
+            theirs = None
+        if theirs != me:
+            raise UserError(f"checkpoint.dir={str(root)!r}: holds the checkpoints of another run ({theirs}); "
+                            "give each run its own directory")
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    _write_atomic(owner, json.dumps({"run_dir": me}).encode())
+
+
 class Checkpointer:
     def __init__(self, run: Any) -> None:
         self.run = run
-        self.root = run.out / "checkpoint"
+        self.root = checkpoint_root(run.out, run.cfg.checkpoint.dir)
+        if run.cfg.checkpoint.dir:
+            claim_root(self.root, run.out)
 
     def periodic(self, boundary: int) -> None:
         every = self.run.cfg.checkpoint.every_steps
@@ -130,8 +165,16 @@ class ResumePoint:
 
         a = cluster.assignment
         train, roll = a.devices(TRAIN), a.devices(ROLLOUT)
-        calls = [(d, cluster.workers[d].load_checkpoint.remote(str(self.step_dir / "trainer"), train)) for d in train]
-        calls += [(d, cluster.workers[d].load_rollout_checkpoint.remote(str(self.step_dir / "rollout"),
+        step_dir = self.step_dir.resolve()  # workers run elsewhere: never a path relative to this process
+        seen = cluster.wait([(d, w.sees_path.remote(str(step_dir))) for d, w in enumerate(cluster.workers)],
+                            "resume: checkpoint visible")
+        blind = [d for d, ok in enumerate(seen) if not ok]
+        if blind:
+            raise CheckpointError(f"checkpoint {step_dir}: not visible to device(s) {blind} (their node does not "
+                                  "see this path; on several nodes put checkpoints where every node sees them: "
+                                  "checkpoint.dir on a shared filesystem, docs/cluster.md)")
+        calls = [(d, cluster.workers[d].load_checkpoint.remote(str(step_dir / "trainer"), train)) for d in train]
+        calls += [(d, cluster.workers[d].load_rollout_checkpoint.remote(str(step_dir / "rollout"),
                                                                       self.rollout_version)) for d in roll]
         cluster.wait(calls, "resume: load checkpoint")
 
@@ -165,9 +208,9 @@ def _verify_dir(directory: Path) -> dict:
 def load_resume_point(run_dir: str | Path) -> ResumePoint:
     """The last complete checkpoint of `run_dir`, fully verified; CheckpointError otherwise."""
     run_dir = Path(run_dir)
-    root = run_dir / "checkpoint"
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory {run_dir}: not found")
+    root = checkpoint_root(run_dir, _saved_checkpoint_dir(run_dir))
     latest = root / LATEST
     if not latest.is_file():
         raise CheckpointError(f"run directory {run_dir}: no checkpoint to resume from ({latest} missing)")
@@ -200,6 +243,14 @@ def load_resume_point(run_dir: str | Path) -> ResumePoint:
         raise CheckpointError(f"checkpoint {step_dir}: driver state does not match driver.json")
     return ResumePoint(run_dir=run_dir, step_dir=step_dir, boundary=int(driver["boundary"]),
                        rollout_version=int(driver["rollout_version"]), driver=driver)
+
+
+def _saved_checkpoint_dir(run_dir: Path) -> str | None:
+    """`checkpoint.dir` of the run in `run_dir` (its saved config.json), or None."""
+    try:
+        return (json.loads((run_dir / "config.json").read_text()).get("checkpoint") or {}).get("dir")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def end_partial_line(path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,9 +23,10 @@ from typing import Any
 from dynaresize.errors import ConfigError
 
 POLICY_NAMES = ("hysteresis", "static", "static-profiled", "greedy", "lend", "scripted")
-FAULT_KINDS = ("kill", "stop")
+FAULT_KINDS = ("kill", "stop", "node")  # node: the whole Ray node hosting DEVICE dies (docs/faults.md)
 FAULT_POINTS = ("rollout", "train", "weight_sync", "resize.reshard", "resize.switch")
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb", "mlflow")  # jsonl (records.jsonl) is always on
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray placement-group strategies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +37,7 @@ class ClusterConfig:
     backend: str = "auto"  # auto | gloo | nccl
     cpus_per_device: float = 0.5  # Ray CPU resources per worker on CPU devices
     torch_threads: int = 1  # fixed: bitwise-reproducible math needs a fixed thread count
+    placement_strategy: str = "PACK"  # how the device bundles go onto Ray nodes (docs/cluster.md)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.devices >= 2, "devices", self.devices, "needs at least 2 devices")
@@ -43,6 +46,8 @@ class ClusterConfig:
         err.need(self.backend in ("auto", "gloo", "nccl"), "backend", self.backend, "must be auto, gloo or nccl")
         err.need(self.cpus_per_device > 0, "cpus_per_device", self.cpus_per_device, "must be > 0")
         err.need(self.torch_threads >= 1, "torch_threads", self.torch_threads, "must be >= 1")
+        err.need(self.placement_strategy in PLACEMENT_STRATEGIES, "placement_strategy", self.placement_strategy,
+                 f"must be one of {', '.join(PLACEMENT_STRATEGIES)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,9 +228,12 @@ class TimeoutsConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     every_steps: int = 0  # 0: only the final checkpoint
+    dir: str | None = None  # run checkpoints here (a path every node sees); None: RUN_DIR/checkpoint
 
     def check(self, err: "_Errors") -> None:
         err.need(self.every_steps >= 0, "every_steps", self.every_steps, "must be >= 0")
+        if self.dir is not None:
+            err.need(bool(self.dir.strip()), "dir", self.dir, "must be a directory path (or unset)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,6 +244,24 @@ class LoggingConfig:
         for name in self.backends:
             err.need(name in LOG_BACKENDS, "backends", name, f"must be one of {', '.join(LOG_BACKENDS)}")
         err.need(len(set(self.backends)) == len(self.backends), "backends", self.backends, "a backend is named twice")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Evaluation on held-out prompts, on the rollout pool (dynaresize.evaluation, docs/eval.md)."""
+
+    every_steps: int = 0  # evaluate after every N-th step and after the last; 0: no evaluation
+    prompts_file: str | None = None  # JSONL like task.prompts_file; None: the built-in task's held-out prompts
+    num_prompts: int = 16  # prompts per evaluation (a prompts_file: its first N; 0: all of it)
+    samples_per_prompt: int = 4  # n samples per prompt; pass@k is reported for k = 1, 2, 4, ... and n
+    correct_threshold: float = 0.5  # a sample counts as correct (for pass@k) when its reward >= this
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.every_steps >= 0, "every_steps", self.every_steps, "must be >= 0 (0: no evaluation)")
+        err.need(self.num_prompts >= 0, "num_prompts", self.num_prompts, "must be >= 0")
+        err.need(self.samples_per_prompt >= 1, "samples_per_prompt", self.samples_per_prompt, "must be >= 1")
+        err.need(math.isfinite(self.correct_threshold), "correct_threshold", self.correct_threshold,
+                 "must be a finite number")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,6 +280,7 @@ class RunConfig:
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.steps >= 1, "steps", self.steps, "must be >= 1")
@@ -269,6 +296,13 @@ class RunConfig:
         if t.lr_schedule != "constant":
             err.need(self.steps > t.warmup_steps, "train.warmup_steps", t.warmup_steps,
                      f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")
+        e = self.eval
+        if e.every_steps and e.prompts_file is None:
+            err.need(self.task.prompts_file is None, "eval.prompts_file", e.prompts_file,
+                     "needed to evaluate a task from task.prompts_file (held-out prompts come built in "
+                     "only for the built-in task)")
+            err.need(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts,
+                     "must be >= 1 for the built-in task's held-out prompts")
         p, c = self.policy, self.cluster
         if c.devices >= 2:
             err.need(p.min_rollout + p.min_train <= c.devices, "policy.min_rollout", p.min_rollout,

@@ -95,6 +95,10 @@ class Job:
     def expected_ids(self, step: int) -> list[tuple[int, int, int]]:
         return [(step, p, s) for p, _ in self.step_prompts(step) for s in range(self.cfg.rollout.samples_per_prompt)]
 
+    def encode(self, record: dict) -> list[int]:
+        """The prompt ids of a prompt record, as the rollout sees them (also for evaluation)."""
+        return self._encode(record)
+
     def _encode(self, record: dict) -> list[int]:
         """Prompt ids: as one user turn of the chat template (`task.chat_template`) or as is,
         then truncated to the last `rollout.max_prompt_tokens` (the end holds the question)."""

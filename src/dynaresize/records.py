@@ -35,6 +35,8 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "recovery": ("step", "lost_devices", "recovery_s", "num_devices"),
     "checkpoint": ("step", "path", "cause"),
     "resume": ("step", "checkpoint", "num_devices"),
+    "eval": ("step", "version", "reward_mean", "pass_at_1", "num_prompts", "samples_per_prompt"),
+    "placement": ("strategy", "nodes"),
     "summary": ("summary",),
 }
 

@@ -13,7 +13,11 @@
    samples the ledger counts as consumed); every rollout device gets the weights of the
    version its next samples need; the window then redoes only what is not done, re-issuing
    unfinished samples with their ids and seeds;
-6. a `recovery` record says what was lost and how long it took (from detection to restored).
+6. a `recovery` record says what was lost and how long it took (from detection to restored),
+   and which Ray nodes the run no longer has a device on (`lost_nodes`: a whole node lost).
+
+A lost node loses the object store in which its trainers' snapshot shards live; each shard has
+a replica on another node (cluster/snapshot.py), so step 5 is the same after a node loss.
 
 `stop_run(run, window, reason)`: drop (with the reason) every sample generated but not
 consumed, write a checkpoint of the last consistent point, write the summary, raise RunStopped.
@@ -52,7 +56,9 @@ class Recovery:
         where = exc.where
         lost_ids: list[int] = []
         wedged_ids: list[int] = []
+        down: set[str] = set()  # Ray nodes found dead: their devices are lost, their object stores gone
         for attempt in range(MAX_ATTEMPTS):
+            down |= _with_node_down(cluster, lost)
             survivors = [r for r in range(cluster.num_devices) if r not in lost]
             wedged = regroup.settle(cluster, survivors)
             wedged_ids += [cluster.ids[r] for r in wedged]
@@ -70,6 +76,8 @@ class Recovery:
                 regroup.new_generation(cluster, survivors, assignment)
                 run.assignment = assignment
                 t_restore = time.time()
+                rehomed = snapshot.rehome(cluster, run.snapshots, down)
+                t_rehomed = time.time()
                 train = run.snapshots[max(v for v, s in run.snapshots.items() if s.others is not None)]
                 rv = self._engine_version(w, train.version)
                 snapshot.restore(cluster, train, run.snapshots[rv])
@@ -91,6 +99,8 @@ class Recovery:
                            detect_to_start_s=t_start - t_detect, settle_s=t_world - t_start,
                            world_s=t_restore - t_world, restore_s=t_end - t_restore, generation=cluster.generation,
                            trainer_version=train.version, rollout_version=rv, where=where,
+                           lost_nodes=_lost_nodes(cluster, lost_ids), rehomed_shards=rehomed,
+                           rehome_s=t_rehomed - t_restore,
                            assignment={"rollout": [cluster.ids[r] for r in assignment.devices("rollout")],
                                        "train": [cluster.ids[r] for r in assignment.devices("train")]})
         run.stats["recoveries"].append({k: rec[k] for k in ("step", "lost_devices", "recovery_s", "num_devices")})
@@ -111,7 +121,32 @@ class Recovery:
             run.rec.emit("fault", step=step, device=dev, fault_kind=armed.spec.kind if armed else "lost",
                          point=armed.spec.point if armed else where, injected=armed is not None,
                          fault_step=armed.spec.step if armed else None, reason=why,
-                         detect_s=(at - fired) if at and fired else None)
+                         detect_s=(at - fired) if at and fired else None,
+                         node=cluster.nodes[dev] if getattr(cluster, "nodes", None) else None)
+
+
+def _with_node_down(cluster: Any, lost: dict[int, str]) -> set[str]:
+    """Add to `lost` every device on the node of a lost device whose raylet is gone (a lost node:
+    its other workers may still answer for a moment, but they cannot last); the dead nodes."""
+    from dynaresize.cluster.placement import nodes_down
+
+    if not getattr(cluster, "nodes", None) or not lost:
+        return set()
+    down = nodes_down(cluster.node_addresses, {cluster.node_of(r) for r in lost})
+    now = time.time()
+    for r in range(cluster.num_devices):
+        if r not in lost and cluster.node_of(r) in down:
+            lost[r] = f"its node {cluster.node_of(r)[:8]} is down (raylet gone)"
+            cluster.watchdog.lost_at.setdefault(r, now)
+    return down
+
+
+def _lost_nodes(cluster: Any, lost_ids: list[int]) -> list[str]:
+    """The Ray nodes the run no longer has a device on: nodes of lost devices that no survivor shares."""
+    if not getattr(cluster, "nodes", None):
+        return []
+    kept = {cluster.nodes[d] for d in cluster.ids}
+    return sorted({cluster.nodes[d] for d in lost_ids} - kept)
 
 
 def stop_run(run: Any, w: Window, reason: str) -> NoReturn:

@@ -35,6 +35,7 @@ from dynaresize.config import RunConfig, config_to_dict
 from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
 from dynaresize.errors import RewardError
+from dynaresize.evaluation import Evaluator
 from dynaresize.job import Job, ScoredStep
 from dynaresize.ledger import Ledger, sample_record
 from dynaresize.policy.base import make_policy
@@ -56,6 +57,7 @@ class Run:
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, progress: bool = True,
                  resume: ResumePoint | None = None) -> None:
         self.job = Job(cfg)  # first: a bad prompt file, reward spec or fault spec stops here, nothing written
+        self.evaluator = Evaluator(cfg, self.job)  # held-out prompts (eval.*): checked before anything is written
         parse_faults(cfg.faults, cfg.cluster.devices)
         check_backends(cfg.logging.backends)  # a tracker named but not installed: ConfigError, nothing written
         self.cfg, self.out, self.progress, self.resume = cfg, Path(out_dir), progress, resume
@@ -123,6 +125,8 @@ class Run:
             while w.step < self.cfg.steps:
                 try:
                     self._window(w)
+                    if self.evaluator.due(w.step):  # between windows: the pipeline is drained (evaluation.py)
+                        self.evaluator.run(w.step, self.cluster, self.rec.emit, self.rel)
                     self.ckpt.periodic(w.step + 1)
                 except DevicesLost as lost:
                     self.recovery.recover(w, lost)  # or stops the run with a checkpoint (RunStopped)
@@ -352,6 +356,7 @@ class Run:
             "faults_unfired": self.cluster.faults.unfired(),
             "resumed_from_step": self.start_step if self.resume else None, "stopped": stopped,
             "rollout_engine": resolve_engine(self.cfg), "train_dtype": self.cfg.train.dtype,
+            "eval": self.evaluator.last,
         }
         self.rec.emit("summary", summary=summary)
         self.rec.close()

@@ -6,6 +6,9 @@ made once through the CLI with `--set logging.backends=tensorboard,mlflow[,wandb
 - TensorBoard's own reader finds every scalar the step and resize records carry, with their
   values; the MLflow client reads the same metrics back; W&B's offline run (where installed);
 - `dynaresize report` on the run directory renders every figure in headless Chromium.
+
+The run evaluates on held-out prompts after steps 1 and 3 (`eval.every_steps=2`), so the eval
+scalars reach the trackers and the report has its eval curve and table.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import pytest
 
 from _browser import assert_every_figure_renders
 from _runs import job_data, ray_local, records  # noqa: F401
-from dynaresize.report.metrics import resize_scalars, step_scalars
+from dynaresize.report.metrics import eval_scalars, resize_scalars, step_scalars
 
 pytestmark = pytest.mark.dist
 
@@ -41,7 +44,8 @@ def lab_run(ray_local, tmp_path_factory):  # noqa: F811
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         code = main(["run", "--no-progress", "--config", str(cfg), "--out", str(base / "run"), "--inject", FAULT,
-                     "--set", f"logging.backends={backends}"])
+                     "--set", f"logging.backends={backends}", "--set", "eval.every_steps=2",
+                     "--set", "eval.num_prompts=4"])
     assert code == 0, err.getvalue()[-3000:]
     return base / "run", err.getvalue()
 
@@ -54,12 +58,15 @@ def _want(run: Path) -> dict[str, dict[int, float]]:
     for rec in records(run, "resize"):
         for name, value in resize_scalars(rec).items():
             want.setdefault(name, {})[rec["step"]] = value
+    for rec in records(run, "eval"):
+        for name, value in eval_scalars(rec).items():
+            want.setdefault(name, {})[rec["step"]] = value
     return want
 
 
 CORE = {"reward/mean", "reward/std", "response_len/mean", "response_len/max", "time/rollout_s", "time/train_s",
         "time/sync_s", "time/step_s", "split/num_rollout", "split/num_train", "idle/fraction", "idle/tail_fraction",
-        "resize/critical_s", "resize/total_s"}
+        "resize/critical_s", "resize/total_s", "eval/reward_mean", "eval/pass_at_1", "eval/pass_at_4"}
 
 
 def test_unfired_fault_warns_and_is_listed_in_the_summary(lab_run):
@@ -70,6 +77,7 @@ def test_unfired_fault_warns_and_is_listed_in_the_summary(lab_run):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["faults_unfired"] == [FAULT] and summary["faults_injected"] == 0
     assert summary["resizes"] == 1 and summary["ledger_ok"]
+    assert [r["step"] for r in records(run, "eval")] == [1, 3] and set(summary["eval"]) >= {"reward_mean", "pass_at_4"}
 
 
 def test_tensorboard_reader_finds_every_scalar_of_the_run(lab_run):
@@ -118,3 +126,5 @@ def test_report_of_the_run_renders_in_chromium(lab_run):
     assert main(["report", str(run)]) == 0
     # split, stage times, idle, reward, device timeline, one resize Gantt chart
     assert_every_figure_renders(run / "report.html", expected=6)
+    page = (run / "report.html").read_text()
+    assert "Reward and eval" in page and "pass_at_4" in page  # the eval curve and its table

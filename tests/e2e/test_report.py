@@ -51,10 +51,12 @@ def _write_run(out: Path, *, evals: bool = True) -> Path:
                 rec.emit("recovery", step=k, lost_devices=[3], recovery_s=0.5, num_devices=3, generation=1)
         rec.emit("summary", summary={"steps": STEPS, "ledger_ok": True, "reward_by_step": [0.1] * STEPS,
                                      "faults_unfired": ["kill:2@resize.reshard:9"]})
-    if evals:  # eval records (another part of the product may add them): appended as raw lines
+    if evals:  # eval records (dynaresize.evaluation, docs/records.md): appended as raw lines
         with open(out / "records.jsonl", "a") as fh:
             for k in (2, 5):
-                fh.write(json.dumps({"kind": "eval", "step": k, "accuracy": 0.2 * k, "eval_s": 1.0}) + "\n")
+                fh.write(json.dumps({"kind": "eval", "step": k, "version": k + 1, "reward_mean": 0.1 * k,
+                                     "pass_at_1": 0.05 * k, "pass_at_4": 0.15 * k, "num_prompts": 4,
+                                     "samples_per_prompt": 4, "eval_s": 1.0}) + "\n")
     return out
 
 
@@ -69,7 +71,7 @@ def test_run_report_is_self_contained_and_every_figure_renders_in_chromium(tmp_p
     assert all(s.startswith("data:image/png;base64,") for s in srcs)
     assert not re.search(r"<(link|iframe)\b|<script[^>]+src=|(href|src)=\"(https?:)?//", text)
     assert "scripted &lt;b&gt;&amp;&lt;/b&gt;" in text  # record text is escaped
-    for needle in ("Resizes (2)", "drop_from_train_group", "move_optimizer_shards", "Reward and eval",
+    for needle in ("Resizes (2)", "drop_from_train_group", "move_optimizer_shards", "Reward and eval", "pass_at_4",
                    "Faults (1) and recoveries (1)",
                    "kill:2@resize.reshard:9", "2R:2T", "3R:1T"):
         assert needle in text, needle

@@ -24,9 +24,10 @@ Fields that could be proven neither way would go in `UNPROVEN` (with a reason), 
 `test_unproven_is_exactly_known` pins that set, so it cannot grow silently.
 
 Runtime-only fields are probed through their pure consumers: `Cluster.start` with Ray's entry
-points replaced by recorders (cluster.address/backend/cpus_per_device/torch_threads), the
-watchdog's verdicts with a Ray stand-in that never answers (timeouts.*), the `Checkpointer`'s
-periodic rule, the tracker factory `open_sinks`, `reshard` with `dist.send` recorded, the
+points replaced by recorders (cluster.address/backend/cpus_per_device/torch_threads/
+placement_strategy), the watchdog's verdicts with a Ray stand-in that never answers
+(timeouts.*), the `Checkpointer`'s periodic rule and its directory (checkpoint.dir), the
+evaluator's schedule, requests and record (eval.*), the tracker factory `open_sinks`, `reshard` with `dist.send` recorded, the
 resize executor's moment handler with a fake cluster, and one training step of
 `FSDPTrainer.compute_grads` + `apply_optimizer` run unbound on a single-rank stand-in for the
 FSDP state (no process group), with the worker's own loss function.
@@ -171,6 +172,8 @@ HF_DIR = Lazy(lambda: str(_files() / "hf"))
 PROMPTS_FILE = Lazy(lambda: str(_files() / "prompts.jsonl"))
 LENGTH_REWARD = Lazy(lambda: f"{_files() / 'rewards.py'}:length_reward")
 BROKEN_REWARD = Lazy(lambda: f"{_files() / 'rewards.py'}:broken_reward")
+CHECKPOINT_DIR = Lazy(lambda: str(_files() / "shared-checkpoints"))
+EVAL_BASE = {"eval": {"every_steps": 2}}  # evaluation on: the mode the other eval fields belong to
 
 
 # ---------------------------------------------------------------- probes: the job (driver side)
@@ -550,6 +553,41 @@ def _checkpoints(cfg: RunConfig) -> list:
     return saved
 
 
+def _checkpoint_root(cfg: RunConfig) -> str:
+    """Where `Checkpointer` puts the run's checkpoints (`checkpoint.dir`, else RUN_DIR/checkpoint)."""
+    from dynaresize.checkpointing import Checkpointer
+
+    return str(Checkpointer(SimpleNamespace(cfg=cfg, out=Path("/nonexistent-run-dir"))).root)
+
+
+def _eval(cfg: RunConfig) -> tuple:
+    """`Evaluator`: the steps it evaluates after, its requests, and its `eval` record for fixed
+    responses (per prompt: one sample all of the prompt's letter, the others a third of it)."""
+    from dynaresize.evaluation import Evaluator
+    from dynaresize.job import Job
+    from dynaresize.rl.models import pseudo_words
+    from dynaresize.roles.base import GenResult
+
+    job = Job(cfg)
+    ev = Evaluator(cfg, job)
+    due = [s for s in range(cfg.steps) if ev.due(s)]
+    if not ev.enabled:
+        return due, None, None
+    groups = ev._requests()
+    requests = [[(r.sample_id, tuple(r.prompt_ids), r.max_new_tokens, r.seed) for r in g] for g in groups]
+    results = []
+    for g in groups:
+        for r in g:
+            letter = ev.prompts[r.sample_id[1]]["letter"]
+            mine = [w for w in pseudo_words() if w[0] == letter][:2]
+            other = [w for w in pseudo_words() if w[0] != letter][:2]
+            text = " ".join(mine) if r.sample_id[2] == 0 else " ".join([mine[0], *other])
+            ids = list(job.tokenizer(" " + text)["input_ids"])
+            results.append(GenResult(sample_id=r.sample_id, response_ids=ids, logprobs=[0.0] * len(ids), version=1,
+                                     duration_s=0.0))
+    return due, requests, sorted(ev.score(0, results).items())
+
+
 def _sinks(cfg: RunConfig) -> list:
     """The tracker sinks `open_sinks(cfg.logging.backends, run_dir)` opens."""
     from dynaresize.tracking import open_sinks
@@ -646,6 +684,11 @@ EVIDENCE: dict[str, tuple] = {
     "cluster.backend": (Probe(OTHER_BACKEND, _cluster_start),),
     "cluster.cpus_per_device": (Probe(2.0, _cluster_start),),
     "cluster.torch_threads": (Probe(2, _cluster_start),),
+    "cluster.placement_strategy": (Probe("SPREAD", _cluster_start),
+                                   Refused("spread", "cluster.placement_strategy='spread'"),
+                                   Runtime("tests/e2e/test_multinode.py::test_node_lost_mid_run_recovers_on_the_survivors",
+                                           "with placement_strategy=SPREAD the run's devices are on both nodes of a "
+                                           "2-node cluster")),
     "model.path": (Probe(HF_DIR, _model),),
     "model.hidden_size": (Probe(64, _model),),
     "model.num_layers": (Probe(2, _model),),
@@ -727,6 +770,17 @@ EVIDENCE: dict[str, tuple] = {
     "timeouts.collective_s": (Probe(1000.0, _watchdog),),
     "timeouts.actor_call_s": (Probe(2000.0, _watchdog),),
     "checkpoint.every_steps": (Probe(5, _checkpoints),),
+    "checkpoint.dir": (Probe(CHECKPOINT_DIR, _checkpoint_root),
+                       Runtime("tests/e2e/test_multinode.py::test_node_lost_mid_run_recovers_on_the_survivors",
+                               "with checkpoint.dir set the run's checkpoints and latest.json are there and not in "
+                               "RUN_DIR/checkpoint")),
+    "eval.every_steps": (Probe(2, _eval), Refused(-1, "eval.every_steps=-1"),
+                         Runtime("tests/e2e/test_eval.py::test_eval_records_at_their_steps_and_training_unchanged",
+                                 "with every_steps=2 a 4-step run has eval records after steps 1 and 3")),
+    "eval.prompts_file": (Probe(PROMPTS_FILE, _eval, base=EVAL_BASE),),
+    "eval.num_prompts": (Probe(3, _eval, base=EVAL_BASE),),
+    "eval.samples_per_prompt": (Probe(2, _eval, base=EVAL_BASE),),
+    "eval.correct_threshold": (Probe(0.2, _eval, base=EVAL_BASE),),
     "logging.backends": (Probe(["jsonl", "tensorboard"], _sinks),
                          Runtime("tests/e2e/test_lab_tooling.py::"
                                  "test_tensorboard_reader_finds_every_scalar_of_the_run",

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import ray
 
+from dynaresize.cluster import placement
 from dynaresize.cluster.faults import FaultInjector, parse_faults
 from dynaresize.cluster.placement import actor_options, make_placement_group, release_placement_group
 from dynaresize.cluster.watchdog import DevicesLost, Watchdog
@@ -78,6 +79,8 @@ class Cluster:
         # Faults (docs/faults.md): ranks are renumbered 0..M-1 after a loss; `ids[rank]` is the
         # device id of the first generation, the one records use. Every wait has a deadline.
         self.ids: list[int] = list(range(self.num_devices))
+        self.nodes: list[str] = []  # Ray node id by device id, set at start (`_place`)
+        self.node_addresses: dict[str, tuple[str, int]] = {}
         self.generation = 0
         self.faults = FaultInjector(parse_faults(cfg.faults, self.num_devices))
         self.use_gpu = False  # set by start: NCCL on GPUs
@@ -94,14 +97,12 @@ class Cluster:
         self.use_gpu = use_gpu
         if not ray.is_initialized():
             need = math.ceil(self.num_devices * cfg.cluster.cpus_per_device)
-            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
-            if cfg.cluster.address:
-                kwargs["address"] = cfg.cluster.address
-            else:  # a Ray of our own, even where another one runs on this machine
-                kwargs.update(address="local", num_cpus=max(os.cpu_count() or 1, need))
-            ray.init(**kwargs)
+            # a Ray of our own (address=local) where none is given, even where another runs on this machine;
+            # the job's cluster under `ray job submit` (RAY_ADDRESS): placement.init_kwargs
+            ray.init(**placement.init_kwargs(cfg.cluster.address, max(os.cpu_count() or 1, need)))
             self._started_ray = True
-        self._pg = make_placement_group(self.num_devices, use_gpu=use_gpu, cpus_per_device=cfg.cluster.cpus_per_device)
+        self._pg = make_placement_group(self.num_devices, use_gpu=use_gpu, cpus_per_device=cfg.cluster.cpus_per_device,
+                                        strategy=cfg.cluster.placement_strategy)
         actor_cls = remote_worker_class()
         cfg_dict = config_to_dict(cfg)
         # Pin the math thread count in the worker's environment too: Ray may run methods on
@@ -112,6 +113,7 @@ class Cluster:
         self.workers = [actor_cls.options(**actor_options(self._pg, d, use_gpu=use_gpu,
                                                            cpus_per_device=cfg.cluster.cpus_per_device), **env)
                         .remote(d, cfg_dict) for d in range(self.num_devices)]
+        self._place()  # nodes by device id, the `placement` record, node faults (docs/cluster.md)
         armed = self.faults.arm(self.worker_of)
         self.wait([(self.ids.index(a.spec.device), ref) for a, ref in zip(self.faults.faults, armed)], "arm faults")
         port = self.wait([(0, self.workers[0].free_port.remote())], "start")[0]
@@ -130,6 +132,20 @@ class Cluster:
         self.wait([(d, self.workers[d].start_train.remote(train)) for d in train]
                   + [(d, self.workers[d].start_rollout.remote(0)) for d in rollout], "start roles")
         self._prewarm_futures = self._prewarm(assignment)
+
+    def _place(self) -> None:
+        """Where each device landed: `nodes[device id]` (Ray node ids), recorded once."""
+        self.nodes = placement.bundle_nodes(self._pg)
+        self.node_addresses = placement.node_addresses()  # raylets, to tell a lost node from a lost process
+        names = placement.node_names()
+        self.faults.set_nodes(self.nodes, driver_node=ray.get_runtime_context().get_node_id())
+        self.on_event("placement", {"strategy": self.cfg.cluster.placement_strategy, "nodes": self.nodes,
+                                    "node_names": [names.get(n, n) for n in self.nodes],
+                                    "num_nodes": len(set(self.nodes))})
+
+    def node_of(self, rank: int) -> str:
+        """The Ray node id of the worker at world rank `rank` (this generation)."""
+        return self.nodes[self.ids[rank]]
 
     def stop(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,11 +1,19 @@
-"""Ray placement of device workers: one bundle per device, packed, reserved before any actor.
+"""Ray placement of device workers: one bundle per device, reserved before any actor.
 
-A run reserves all its devices up front in one placement group (PACK: as few nodes as
-possible, so most messages stay on a node), then pins worker `d` to bundle `d` for the whole
-run. Reserving first turns "the cluster is too small" into one clear error at start instead
-of actors pending forever.
+A run reserves all its devices up front in one placement group, then pins worker `d` to bundle
+`d` for the whole run. Reserving first turns "the cluster is too small" into one clear error at
+start instead of actors pending forever. The group's strategy is `cluster.placement_strategy`
+(docs/cluster.md): PACK (default: as few nodes as possible, so most messages stay on a node),
+SPREAD (over as many nodes as possible, best effort), STRICT_PACK (one node, or fail),
+STRICT_SPREAD (every device on its own node, or fail). `bundle_nodes` says where each bundle
+went; the run records it (`placement` record) and uses it for node faults and for keeping
+trainer snapshots off their own node (cluster/snapshot.py).
 
-Invariant: bundle index == device id == world rank of the worker placed in it.
+`init_kwargs` is how the driver joins Ray: the configured address (`auto`: the cluster started
+with `ray start` on this machine); else the cluster of a `ray job submit` (RAY_ADDRESS set by
+the job); else a new local Ray sized for the run.
+
+Invariant: bundle index == device id == world rank of the worker placed in it (first world).
 """
 
 from __future__ import annotations
@@ -15,6 +23,24 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dynaresize.errors import UserError
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def init_kwargs(address: str | None, num_cpus: int, environ: dict | None = None) -> dict:
+    """Keyword arguments for `ray.init` (see the module docstring). Pure: reads `environ`
+    (default `os.environ`) only for RAY_ADDRESS."""
+    import os
+
+    env = os.environ if environ is None else environ
+    kwargs: dict = {"include_dashboard": False, "log_to_driver": True}
+    if address:
+        kwargs["address"] = address
+    elif env.get("RAY_ADDRESS"):
+        pass  # under `ray job submit`: ray.init() joins the job's cluster (sizing it is not ours)
+    else:
+        kwargs.update(address="local", num_cpus=num_cpus)  # never join a `ray start` cluster by accident
+    return kwargs
 
 
 def _bundle(use_gpu: bool, cpus_per_device: float) -> dict[str, float]:
@@ -44,7 +70,14 @@ def make_placement_group(
     if not ray.is_initialized():
         raise RuntimeError("make_placement_group: call ray.init() first")
     need = _bundle(use_gpu, cpus_per_device)
+    if strategy not in STRATEGIES:
+        raise UserError(f"cluster.placement_strategy={strategy!r}: must be one of {', '.join(STRATEGIES)}")
     have = ray.cluster_resources()
+    if strategy == "STRICT_SPREAD":
+        nodes = [n for n in ray.nodes() if n.get("Alive") and all(n["Resources"].get(r, 0.0) >= a for r, a in need.items())]
+        if len(nodes) < num_devices:
+            raise UserError(f"cluster.placement_strategy=STRICT_SPREAD: {num_devices} devices need {num_devices} nodes "
+                            f"with {need} each, the Ray cluster has {len(nodes)}; use SPREAD or fewer devices")
     for resource, amount in need.items():
         total = amount * num_devices
         if have.get(resource, 0.0) < total:
@@ -58,8 +91,8 @@ def make_placement_group(
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise UserError(
-            f"devices: could not reserve {num_devices} x {need} within {timeout_s:g}s "
-            f"(cluster resources {dict(have)}; other jobs may hold them)"
+            f"devices: could not reserve {num_devices} x {need} with strategy {strategy} within {timeout_s:g}s "
+            f"(cluster resources {dict(have)}; other jobs may hold them, or no node fits the strategy)"
         ) from None
     return pg
 
@@ -83,6 +116,46 @@ def actor_options(
             placement_group_capture_child_tasks=False,
         ),
     }
+
+
+def bundle_nodes(pg: PlacementGroup) -> list[str]:
+    """The Ray node id of every bundle of a ready placement group, by bundle index."""
+    table = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    return [str(table[i]) for i in range(pg.bundle_count)]
+
+
+def node_names() -> dict[str, str]:
+    """Ray node id -> a short readable name: `head` for the head node, else its IP and the
+    first 8 hex digits of its id (several nodes may share an IP)."""
+    out = {}
+    for n in ray.nodes():
+        head = "node:__internal_head__" in n.get("Resources", {})
+        out[n["NodeID"]] = "head" if head else f"{n.get('NodeManagerAddress', '?')}/{n['NodeID'][:8]}"
+    return out
+
+
+def node_addresses() -> dict[str, tuple[str, int]]:
+    """Ray node id -> (address, port) of its raylet, for the live nodes (read once at start)."""
+    return {n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in ray.nodes() if n.get("Alive")}
+
+
+def nodes_down(addresses: dict[str, tuple[str, int]], node_ids, timeout_s: float = 1.0) -> set[str]:
+    """The nodes among `node_ids` whose raylet is gone: Ray already says so, or its port refuses
+    a connection (or none comes within `timeout_s`). Asking the raylet itself is immediate, where
+    Ray's own verdict waits for its health checks to fail (seconds to tens of seconds)."""
+    import socket
+
+    gcs = {n["NodeID"]: bool(n.get("Alive")) for n in ray.nodes()}
+    down = set()
+    for node in set(node_ids):
+        if gcs.get(node) is False or node not in addresses:
+            down.add(node)
+            continue
+        try:
+            socket.create_connection(addresses[node], timeout=timeout_s).close()
+        except OSError:
+            down.add(node)
+    return down
 
 
 def release_placement_group(pg: PlacementGroup) -> None:

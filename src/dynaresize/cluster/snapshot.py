@@ -5,7 +5,11 @@ it: one entry per training rank (its pieces of the layout, the replicated scalar
 refs to its arrays (`param`, and the other kinds: optimizer moments, the reference weights).
 The arrays are task results owned by the driver and stored in the object store of each
 trainer's node (cluster/worker_recovery.py), so they survive the loss of the trainer's
-process (not of its node: that is what the on-disk checkpoints are for).
+process. To survive the loss of the whole node (its object store goes with it), `take` has
+each shard replicated off-node before it returns: a worker on another node (`replica_holders`)
+pins a copy in its node's object store (`hold_replica`), and Ray, which knows both copies,
+reads the surviving one (when the primary's node dies, the owner makes the copy the primary).
+On a single node there is nowhere to replicate to, and nothing to replicate for.
 
 Invariants:
 - a snapshot is taken only when every trainer of the step has finished it, and the driver
@@ -13,6 +17,9 @@ Invariants:
   the latest snapshot never applies a step twice nor loses one (docs/faults.md);
 - the shards' pieces tile [0, numel) (checked): any layout can be rebuilt from any other
   (reshard/sources.py), reading only the overlapping ranges, as on load of a checkpoint;
+- a snapshot whose shards have holders (`replicas`) is returned only once every replica is
+  pinned: a step's samples are consumed only when its state survives the loss of any one node;
+- holders keep the replicas of the last `KEEP_VERSIONS` versions (what the driver keeps);
 - `write_checkpoint` writes the trainers' checkpoint format (roles/checkpoint.py: shards,
   then the manifest last), so a trainer loads it at any world size.
 """
@@ -21,12 +28,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import ray
 
 from dynaresize.reshard.sources import check_tiling
+
+
+KEEP_VERSIONS = 3  # the driver keeps versions k-1..k+1 (runtime._prune): holders keep as many
 
 
 def _overlaps(a: list, b: list) -> bool:
@@ -39,6 +49,8 @@ class Snapshot:
     metas: list[dict]  # by rank index: "pieces", "numel", "scalars", "params", "layout", "settings"
     params: list[Any]  # ObjectRef per shard: its `param` pieces, concatenated
     others: list[Any] | None  # ObjectRef per shard: {kind: array} of the other kinds; None: params only
+    replicas: dict[int, int] | None = None  # shard index -> device id holding a copy on another node
+    nodes: list[str] | None = None  # shard index -> Ray node id of its primary copy (multi-node runs)
 
     def __post_init__(self) -> None:
         check_tiling([tuple(p) for m in self.metas for p in m["pieces"]], self.numel,
@@ -63,10 +75,71 @@ class Snapshot:
 
 
 def take(cluster: Any, version: int, train_devices: tuple[int, ...]) -> Snapshot:
-    """Snapshot the trainers' state (they must all be at `version`); waits with the watchdog."""
+    """Snapshot the trainers' state (they must all be at `version`), replicated off-node where
+    the cluster spans several nodes; waits with the watchdog."""
     calls = [cluster.workers[d].snapshot_state.remote(version) for d in train_devices]
     metas = cluster.wait([(d, c[0]) for d, c in zip(train_devices, calls)], f"snapshot {version}")
-    return Snapshot(version=version, metas=metas, params=[c[1] for c in calls], others=[c[2] for c in calls])
+    snap = Snapshot(version=version, metas=metas, params=[c[1] for c in calls], others=[c[2] for c in calls])
+    replicate(cluster, snap, train_devices)
+    return snap
+
+
+def replica_holders(train_ranks: Sequence[int], node_of_rank: Sequence[str]) -> dict[int, int]:
+    """For each training rank, the rank that holds a copy of its shard: the first rank after it
+    (cyclically) on another node. A rank whose node hosts every rank gets none."""
+    n = len(node_of_rank)
+    out = {}
+    for d in train_ranks:
+        other = [(d + j) % n for j in range(1, n) if node_of_rank[(d + j) % n] != node_of_rank[d]]
+        if other:
+            out[d] = other[0]
+    return out
+
+
+def replicate(cluster: Any, snap: Snapshot, train_devices: Sequence[int]) -> None:
+    """Pin a copy of every shard of `snap` on another node (see the module docstring)."""
+    if not getattr(cluster, "nodes", None):
+        return
+    holders = replica_holders(train_devices, [cluster.node_of(r) for r in range(cluster.num_devices)])
+    calls = [(h, cluster.workers[h].hold_replica.remote(snap.version, snap.version - KEEP_VERSIONS + 1, i,
+                                                          snap.params[i], snap.others[i]))
+             for i, d in enumerate(train_devices) if (h := holders.get(d)) is not None]
+    snap.nodes = [cluster.node_of(d) for d in train_devices]
+    if calls:
+        cluster.wait(calls, f"replicate snapshot {snap.version}")
+        snap.replicas = {i: cluster.ids[holders[d]] for i, d in enumerate(train_devices) if d in holders}
+
+
+def rehome(cluster: Any, snapshots: dict[int, Snapshot], down: set[str]) -> int:
+    """After the loss of the nodes `down`: every shard with a copy there (its primary, or its
+    replica) becomes a new object, copied by a live worker on the node of its live copy, so
+    nothing later (a restore, a checkpoint) tries to read the dead copy and waits for Ray to
+    find out that it is gone (measured: a read of an object with a dead copy on the list stalled
+    ~10 s). Returns how many shards were re-made."""
+    if not down:
+        return 0
+    calls, moved = [], []
+    for snap in snapshots.values():
+        if not snap.nodes or snap.others is None:
+            continue
+        for i, primary in enumerate(snap.nodes):
+            holder = (snap.replicas or {}).get(i)
+            copies = [primary] + ([cluster.nodes[holder]] if holder is not None else [])
+            live = [n for n in copies if n not in down]
+            if len(live) == len(copies) or not live:
+                continue  # untouched; or lost with both copies: the restore fails (docs/cluster.md, limits)
+            rank = next((r for r in range(cluster.num_devices) if cluster.node_of(r) == live[0]), None)
+            if rank is None:
+                continue
+            param, others = cluster.workers[rank].copy_shard.remote(snap.params[i], snap.others[i])
+            calls.append((rank, param))
+            moved.append((snap, i, param, others, live[0]))
+    cluster.wait(calls, "re-home snapshots")
+    for snap, i, param, others, node in moved:
+        snap.params[i], snap.others[i], snap.nodes[i] = param, others, node
+        if snap.replicas:
+            snap.replicas.pop(i, None)
+    return len(moved)
 
 
 def params_only(version: int, flat: np.ndarray, meta: dict) -> Snapshot:

@@ -13,6 +13,12 @@ Ray keeps results owned by the driver in the object store of the trainer's node,
 outlive the trainer process: survivors restore from them (`restore_train`, reading only the
 ranges they own in the new layout; `restore_rollout`, the full weights of a given version).
 
+Replicas: `hold_replica` keeps another node's snapshot shard (its arrays, read-only views of
+this node's object-store copy, which stays pinned while they are held) for the last versions,
+so the shard outlives its node (cluster/snapshot.py); after a node loss, `copy_shard` re-makes
+a shard from this node's copy as new objects (re-homing). Both run on the `ctl` thread, so a
+worker busy computing takes and gives copies at once.
+
 Recovery: `reset_world` leaves the old world (destroying it frees every group of it), clears
 the communicator pool (counts kept), takes the new rank and joins the new generation on a
 fresh port (a fresh TCP store, so no key of the old world can be seen). The trainer is
@@ -100,6 +106,27 @@ class RecoveryMixin:
                 "params": tr.param_meta(), "settings": settings}
         param = state.pop("param")
         return meta, param, state
+
+    @ray.method(concurrency_group="ctl")
+    def hold_replica(self, version: int, keep_from: int, index: int, param: np.ndarray, others: dict) -> dict:
+        """Keep a copy of shard `index` of the snapshot of `version`; drop those of versions < `keep_from`."""
+        held = self.__dict__.setdefault("_replicas", {})
+        for key in [k for k in held if k[0] < keep_from]:
+            del held[key]
+        held[(version, index)] = (param, others)
+        nbytes = param.nbytes + sum(getattr(v, "nbytes", 0) for v in others.values())
+        return {"device": self.device, "version": version, "bytes": int(nbytes),
+                "held": sorted({k[0] for k in held})}
+
+    @ray.method(concurrency_group="ctl", num_returns=2)
+    def copy_shard(self, param: np.ndarray, others: dict) -> tuple[np.ndarray, dict]:
+        """A snapshot shard this node holds a copy of, as new objects on this node (re-homing)."""
+        return param, others
+
+    @ray.method(concurrency_group="ctl")
+    def sees_path(self, path: str) -> bool:
+        """Whether this worker's node sees directory `path` (a checkpoint on resume)."""
+        return os.path.isdir(path)
 
     def restore_train(self, metas: list[dict], train_ranks: Sequence[int], *arrays: Any) -> dict:
         """Become trainer `self.device` of `train_ranks` with the snapshot state of `metas`.

@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="run seed")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     p.add_argument("--inject", dest="faults", action="append", default=[], metavar="KIND:DEVICE@POINT:STEP",
-                   help="inject a fault: KIND kill|stop, POINT rollout|train|weight_sync|resize.reshard|"
+                   help="inject a fault: KIND kill|stop|node, POINT rollout|train|weight_sync|resize.reshard|"
                    "resize.switch, e.g. kill:1@train:3 (repeatable; docs/faults.md)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint "
                    "(with --steps K, --devices N, --rollout-devices R to change them)")

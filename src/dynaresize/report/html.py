@@ -1,7 +1,7 @@
 """`RUN_DIR/report.html`: one self-contained page about a run (or every policy of a simulation).
 
 Sections per run: summary table, split over time, stage times, idle breakdown (tail vs other),
-reward (and eval when `eval` records exist), the device timeline (real runs: `span` records),
+reward (and eval when `eval` records exist: a curve per metric and a table), the device timeline (real runs: `span` records),
 and every resize with its ops (a table, and a Gantt chart for the first `MAX_GANTT`).
 
 Invariants: the page needs nothing beside it and no network: figures are PNG data URIs, the CSS
@@ -118,6 +118,8 @@ def run_section(page: Page, run: RunRecords, *, max_gantt: int = MAX_GANTT, leve
     page.figure("Reward per step" + (" and eval metrics" if evals else ""), lambda: rf.reward_figure(steps, evals))
     if not evals:
         page.add('<p class="note">No eval records in this run.</p>')
+    else:
+        page.add(_eval_table(evals))
     if not run.simulated:
         from dynaresize.report.timeline import timeline_figure
 
@@ -126,6 +128,15 @@ def run_section(page: Page, run: RunRecords, *, max_gantt: int = MAX_GANTT, leve
                     lambda: timeline_figure(run.records, title=run.name))
     _resizes(page, resizes, ops, max_gantt, h)
     _faults(page, run, h)
+
+
+def _eval_table(evals: list[dict]) -> str:
+    """One row per evaluation: its metrics (pass@k for every k it reports) and what it ran on."""
+    passes = sorted({k for r in evals for k in r if k.startswith("pass_at_")},
+                    key=lambda k: (len(k), k))  # pass_at_2 before pass_at_16
+    cols = ["step", "version", "reward_mean", "reward_std", *passes, "num_prompts", "samples_per_prompt",
+            "correct_threshold", "eval_s"]
+    return table(cols, [[r.get(c) for c in cols] for r in evals])
 
 
 def _faults(page: Page, run: RunRecords, h: str) -> None:

@@ -81,10 +81,16 @@ def resize_scalars(rec: dict) -> dict[str, float]:
     return {name: v for name, source, _ in RESIZE_SCALARS if (v := number(rec.get(source))) is not None}
 
 
+# Fields of an `eval` record that describe it rather than measure the policy (no scalar each).
+EVAL_INFO_FIELDS: tuple[str, ...] = ("kind", "step", "version", "samples_per_prompt", "correct_threshold")
+
+
 def eval_scalars(rec: dict) -> dict[str, float]:
-    """Every numeric field of an `eval` record except its step and times, as `eval/<field>`."""
+    """Every numeric field of an `eval` record as `eval/<field>`, except its step, times (`*_s`),
+    counts (`num_*`) and the other `EVAL_INFO_FIELDS`: the metrics (`reward_mean`, `pass_at_k`...)."""
     return {f"eval/{k}": v for k, val in rec.items()
-            if k not in ("kind", "step") and not k.endswith("_s") and (v := number(val)) is not None}
+            if k not in EVAL_INFO_FIELDS and not k.endswith("_s") and not k.startswith("num_")
+            and (v := number(val)) is not None}
 
 
 def split_text(split: dict) -> str:

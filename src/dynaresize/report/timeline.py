@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "weight_sync": "#55A868"}
+COLORS = {"rollout": "#4C72B0", "train": "#DD8452", "weight_sync": "#55A868", "eval": "#8172B3"}
 
 
 def write_timeline(records: Iterable[dict], path: str | Path, title: str = "dynaresize run") -> Path:

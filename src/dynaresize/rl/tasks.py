@@ -9,6 +9,11 @@ non-zero from the first step. `toy-count` names one letter ("b"); `toy-count:bk`
 letter of each prompt from "b" and "k", which makes the model learn to read the prompt and
 takes longer (docs/tasks.md has measured curves).
 
+Held-out prompts (evaluation, dynaresize.evaluation): the toy task also has a test split,
+`toy_held_out_prompts`, drawn from another fixed seed and disjoint from the training prompts by
+text, so training never samples a held-out prompt and the training prompt list (hence every
+training sample) is the same whether a run evaluates or not.
+
 Invariant: a task's prompt list is the same in every process (generated from a fixed seed),
 and its reward function pickles by reference (a module-level function).
 """
@@ -28,6 +33,7 @@ TOY_TASK = "toy-count"
 TOY_LETTERS = "b"
 TOY_NUM_PROMPTS = 256
 _TOY_SEED = 1234  # the toy prompt list is part of the task, not of a run: fixed seed
+_TOY_HELD_OUT_SEED = 4321  # its test split: another fixed seed, texts of the training list excluded
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,28 @@ def toy_prompts(num_prompts: int = TOY_NUM_PROMPTS, letters: str = TOY_LETTERS, 
         out.append({"prompt": f"write words starting with {letter} , for example {' '.join(examples)} :",
                     "letter": letter})
     rng.shuffle(out)
+    return out
+
+
+def toy_held_out_prompts(num_prompts: int, letters: str = TOY_LETTERS) -> list[dict]:
+    """The toy task's test split: `num_prompts` prompts, none with the text of a training prompt
+    (`toy_prompts(letters=letters)`), none twice. Raises ValueError past the split's size."""
+    _check_letters(letters)
+    train = {r["prompt"] for r in toy_prompts(letters=letters)}
+    rng = random.Random(_TOY_HELD_OUT_SEED)
+    words = {letter: [w for w in pseudo_words() if w[0] == letter][:16] for letter in letters}
+    out: list[dict] = []
+    seen = set(train)
+    for _ in range(200 * max(1, num_prompts)):
+        if len(out) == num_prompts:
+            break
+        letter = letters[len(out) % len(letters)]
+        text = f"write words starting with {letter} , for example {' '.join(rng.sample(words[letter], 3))} :"
+        if text not in seen:
+            seen.add(text)
+            out.append({"prompt": text, "letter": letter})
+    if len(out) < num_prompts:
+        raise ValueError(f"the toy task has no {num_prompts} held-out prompts (found {len(out)})")
     return out
 
 
