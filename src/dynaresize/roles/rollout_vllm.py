@@ -263,6 +263,26 @@ def _linear_weight(mod: torch.nn.Module, materialize: bool, rows_per_probe: int 
         return torch.cat(cols, dim=0).t().contiguous()
 
 
+_patched_ranks = False
+
+
+def _eager_token_ranks() -> None:
+    """On CPU, compute the sampled tokens' ranks (which log-prob requests make vLLM return)
+    eagerly instead of through its `torch.compile`d helper: compiling it costs 3-14 s on the
+    first request of every process (measured, 2 cores) and needs a C++ compiler. Same result
+    (a count of `x >= value` per row); the only cost is a (rows x vocab) bool temporary."""
+    global _patched_ranks
+    if _patched_ranks or torch.cuda.is_available():
+        return
+    from vllm.v1.sample import sampler
+
+    def batched_count_greater_than(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return (x >= values).sum(-1)
+
+    sampler.batched_count_greater_than = batched_count_greater_than
+    _patched_ranks = True
+
+
 # ---------------------------------------------------------------- the engine
 
 
@@ -281,8 +301,8 @@ class VLLMRolloutEngine:
         prefix_caching: reuse the KV of shared prompt blocks (GRPO groups); off makes a
             sample's numerics independent of earlier requests (deterministic mode).
         load_chunk_bytes: weights per `reload_weights` call (whole layers); 0: one call.
-        warmup: run a two-token request at start (the first call with log-probs compiles vLLM's
-            log-prob gather, ~3 s on CPU, once per process).
+        warmup: run a two-token request at start, so one-off set-up costs of the first request
+            fall in `start`, not in the first rollout.
     """
 
     def __init__(self, model_cfg: ModelConfig, temperature: float, *, max_num_seqs: int = 64,
@@ -349,6 +369,7 @@ class VLLMRolloutEngine:
             from dynaresize.roles.vllm_world import install_safe_cleanup, vllm_world
 
             install_safe_cleanup()
+            _eager_token_ranks()
             kwargs = self.engine_kwargs()
             try:
                 with vllm_world() as world:
@@ -516,7 +537,7 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         with preserve_process_state(env=False):
-            # Two tokens with log-probs: vLLM compiles its log-prob gather (torch.compile) on first use.
+            # Two tokens with log-probs: the path every rollout takes.
             self._llm.generate([TokensPrompt(prompt_token_ids=[0])],
                                SamplingParams(max_tokens=2, seed=0, temperature=self.temperature, logprobs=0,
                                               ignore_eos=True, detokenize=False), use_tqdm=False)
