@@ -45,7 +45,7 @@ from dynaresize.errors import UserError
 KIB, MIB = 1 << 10, 1 << 20
 SWEEP_BYTES = (64 * KIB, 16 * MIB)  # then the primary (configured default) bound
 TO_ROLLOUT, TO_TRAIN = "train->rollout", "rollout->train"
-PARAM_BYTES_PER_ELEM, MOMENT_BYTES_PER_ELEM = 4, 8  # fp32 params; exp_avg + exp_avg_sq packed
+PARAM_BYTES_PER_ELEM = 4  # fp32 master weights
 
 
 def model_for_params(num_params: float) -> dict:
@@ -57,7 +57,8 @@ def model_for_params(num_params: float) -> dict:
     b = 2 * vocab + 5 * layers + 1
     h = (-b + math.sqrt(b * b + 64 * layers * num_params)) / (32 * layers)
     hidden = max(64, int(round(h / 64)) * 64)
-    return {"hidden_size": hidden, "num_layers": layers, "num_heads": hidden // 64, "vocab_size": vocab}
+    return {"hidden_size": hidden, "num_layers": layers, "num_heads": hidden // 64, "num_kv_heads": hidden // 64,
+            "vocab_size": vocab, "tie_word_embeddings": False}
 
 
 def qwen2_num_params(model: dict) -> int:
@@ -65,15 +66,6 @@ def qwen2_num_params(model: dict) -> int:
     MLP 4*H, biases on q/k/v, two norms per layer, a final norm, untied embedding and head)."""
     h, layers, vocab = model["hidden_size"], model["num_layers"], model["vocab_size"]
     return 2 * vocab * h + layers * (16 * h * h + 5 * h) + h
-
-
-def planned_peak_staging(numel: int, old_ranks, new_ranks, rank: int, staging_bytes: int, bytes_per_elem: int) -> int:
-    """The staging buffer `reshard.execute` allocates on `rank` for this move (largest remote chunk)."""
-    from dynaresize.reshard.plan import chunk_elems_for, transfer_plan
-
-    plan = transfer_plan(numel, tuple(sorted(old_ranks)), tuple(sorted(new_ranks)),
-                         chunk_elems=chunk_elems_for(staging_bytes, bytes_per_elem))
-    return max((t.numel * bytes_per_elem for t in plan if not t.is_local and rank in (t.src, t.dst)), default=0)
 
 
 def _median(xs: list[float]) -> float:
@@ -152,16 +144,10 @@ class _Bench:
         o = cluster.resize(plan, version=self.step, step=self.step, background_moments=True)
         worker_bg = {(name, d): ray.get(ref) for name, d, ref in o.background}
         cluster.finish_background(o)
-        old, new = plan.src.devices("train"), plan.dst.devices("train")
         sources: set[str] = set()
         for op in o.ops:
-            if op["name"] in (MOVE_PARAM_SHARDS, RECEIVE_PARAM_SHARDS):
-                if "peak_staging_bytes" in op:
-                    sources.add("cluster")
-                else:
-                    op["peak_staging_bytes"] = planned_peak_staging(numel, old, new, op["device"], bound,
-                                                                    PARAM_BYTES_PER_ELEM)
-                    sources.add("plan")
+            if op["name"] in (MOVE_PARAM_SHARDS, RECEIVE_PARAM_SHARDS) and "peak_staging_bytes" in op:
+                sources.add("cluster")
             elif (op["name"], op["device"]) in worker_bg and "peak_staging_bytes" in worker_bg[op["name"], op["device"]]:
                 op["peak_staging_bytes"] = int(worker_bg[op["name"], op["device"]]["peak_staging_bytes"])
                 sources.add("worker")

@@ -51,14 +51,18 @@ class ModelConfig:
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
+    num_kv_heads: int = 2  # grouped-query attention (num_heads a multiple of it)
+    tie_word_embeddings: bool = True  # input and output embeddings share one weight
     vocab_size: int = 2048
     init_seed: int = 0
 
     def check(self, err: "_Errors") -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "vocab_size"):
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
             err.need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         err.need(self.hidden_size % max(self.num_heads, 1) == 0, "hidden_size", self.hidden_size,
                  f"must be a multiple of num_heads ({self.num_heads})")
+        err.need(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                 self.num_kv_heads, f"must divide num_heads ({self.num_heads})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +71,7 @@ class TaskConfig:
     prompts_file: str | None = None  # JSONL with a `prompt` field per line
     reward: str | None = None  # `module:function` or `path/to/file.py:function`
     on_reward_error: str = "fail"  # fail | zero
+    chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's chat template
 
     def check(self, err: "_Errors") -> None:
         err.need(self.on_reward_error in ("fail", "zero"), "on_reward_error", self.on_reward_error,
@@ -90,17 +95,10 @@ class RolloutConfig:
     batch_rows: int = 4  # hf engine: rows per batch (fixed, so a sample's numerics never depend on its batch)
     vllm_max_num_seqs: int = 64  # vllm engine: requests decoded at once
     vllm_max_model_len: int = 0  # vllm engine: longest prompt + response in tokens; 0: the model's own limit
+    max_prompt_tokens: int = 512  # longer prompts keep their last this-many tokens
     vllm_kv_cache_bytes: int = 256 << 20  # vllm engine: KV cache per rollout device; 0: vLLM sizes it
 
     RENAMED_FIELDS: typing.ClassVar[dict[str, str]] = {"backend": "engine"}  # old key -> new (refused)
-
-    @property
-    def backend(self) -> str:
-        """TEMPORARY, for cluster/worker*.py until they call `roles.base.rollout_engine_from_config`:
-        the engine resolved without the model or deterministic mode, so `auto` gives hf here."""
-        from dynaresize.roles.base import resolve_engine
-
-        return resolve_engine(self)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.batch_rows >= 4, "batch_rows", self.batch_rows, "must be >= 4 (CPU kernels round differently below)")
@@ -111,6 +109,7 @@ class RolloutConfig:
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "vllm_max_num_seqs"):
             err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         err.need(self.temperature > 0, "temperature", self.temperature, "must be > 0")
+        err.need(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
         err.need(self.vllm_max_model_len == 0 or self.vllm_max_model_len >= 2, "vllm_max_model_len",
                  self.vllm_max_model_len, "must be 0 (the model's limit) or >= 2")
         err.need(self.vllm_kv_cache_bytes == 0 or self.vllm_kv_cache_bytes >= 1 << 20, "vllm_kv_cache_bytes",
@@ -127,6 +126,14 @@ class TrainConfig:
     kl_coef: float = 0.0
     micro_batch_size: int = 4  # samples per micro-batch; composition fixed by sample index
     staleness: int = 1  # 0 = synchronous; 1 = one-step off-policy
+    dtype: str = "fp32"  # compute dtype: fp32 | bf16 (master weights, gradients, reductions stay fp32)
+    activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
+    kl_estimator: str = "k3"  # k1 (log ratio) | k3 (low-variance, non-negative); used when kl_coef > 0
+    lr_schedule: str = "constant"  # constant | linear | cosine (decay over the run's steps, after warmup)
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
+    min_lr_ratio: float = 0.0  # linear/cosine decay ends at lr * min_lr_ratio
+    max_grad_norm: float = 0.0  # clip the gradient by its global norm; 0: no clipping
+    old_logprobs: str = "auto"  # engine | recompute | auto (recompute unless the engine's are exact)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.lr > 0, "lr", self.lr, "must be > 0")
@@ -138,6 +145,15 @@ class TrainConfig:
         err.need(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
         err.need(self.micro_batch_size >= 1, "micro_batch_size", self.micro_batch_size, "must be >= 1")
         err.need(self.staleness in (0, 1), "staleness", self.staleness, "must be 0 or 1")
+        err.need(self.dtype in ("fp32", "bf16"), "dtype", self.dtype, "must be fp32 or bf16")
+        err.need(self.kl_estimator in ("k1", "k3"), "kl_estimator", self.kl_estimator, "must be k1 or k3")
+        err.need(self.lr_schedule in ("constant", "linear", "cosine"), "lr_schedule", self.lr_schedule,
+                 "must be constant, linear or cosine")
+        err.need(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        err.need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        err.need(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "must be >= 0 (0: no clipping)")
+        err.need(self.old_logprobs in ("auto", "engine", "recompute"), "old_logprobs", self.old_logprobs,
+                 "must be auto, engine or recompute")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +202,6 @@ class PolicyConfig:
 class ReshardConfig:
     staging_bytes: int = 4 << 20  # bound on the staging buffer a reshard may hold per rank
     background_moments: bool = True  # move optimizer moments off the critical path (overlapped)
-    local_param_shards: bool = True  # cut parameter shards from the local fp32 weights (no bytes move)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.staging_bytes >= 64, "staging_bytes", self.staging_bytes, "must be >= 64")
@@ -244,6 +259,13 @@ class RunConfig:
                 parse_fault(spec)
             except ValueError as exc:
                 err.add("faults", spec, str(exc))
+        if self.deterministic:
+            err.need(self.train.dtype == "fp32", "train.dtype", self.train.dtype,
+                     "deterministic mode needs fp32 (bf16 rounding depends on how work is split)")
+        t = self.train
+        if t.lr_schedule != "constant":
+            err.need(self.steps > t.warmup_steps, "train.warmup_steps", t.warmup_steps,
+                     f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")
         p, c = self.policy, self.cluster
         if c.devices >= 2:
             err.need(p.min_rollout + p.min_train <= c.devices, "policy.min_rollout", p.min_rollout,

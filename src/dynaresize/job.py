@@ -41,6 +41,31 @@ class Job:
         self.prompts = task.prompts
         self.reward_fn: Callable[..., Any] = task.reward_fn
         self._prompt_ids: dict[str, list[int]] = {}  # by prompt text: positions hold other prompts each step
+        self._check_lengths()
+
+    def _check_lengths(self) -> None:
+        """Refuse (ConfigError, exit 2) what the model cannot take: a chat template it lacks,
+        or prompt plus response longer than its positions."""
+        from dynaresize.errors import ConfigError
+        from dynaresize.rl.models import max_positions
+
+        rc, errors = self.cfg.rollout, []
+        if self.cfg.task.chat_template and not getattr(self.tokenizer, "chat_template", None):
+            errors.append(f"task.chat_template=True: the tokenizer of model.path={self.cfg.model.path!r} "
+                          "has no chat template")
+        limit = max_positions(self.cfg.model)
+        if rc.max_prompt_tokens + rc.max_new_tokens > limit:
+            errors.append(f"rollout.max_prompt_tokens={rc.max_prompt_tokens}: plus rollout.max_new_tokens="
+                          f"{rc.max_new_tokens} exceeds the model's max_position_embeddings ({limit})")
+        if rc.synthetic_lengths:
+            from dynaresize.sim.workload import get_workload
+
+            try:
+                get_workload(rc.length_workload)
+            except ConfigError as exc:
+                errors.append(f"rollout.length_workload={rc.length_workload!r}: {exc.errors[0].split(': ', 1)[-1]}")
+        if errors:
+            raise ConfigError(errors)
 
     def step_prompts(self, step: int) -> list[tuple[int, dict]]:
         return data.prompts_for_step(self.prompts, step, self.cfg.rollout.prompts_per_step, self.cfg.seed)
@@ -68,9 +93,17 @@ class Job:
         return [(step, p, s) for p, _ in self.step_prompts(step) for s in range(self.cfg.rollout.samples_per_prompt)]
 
     def _encode(self, record: dict) -> list[int]:
+        """Prompt ids: as one user turn of the chat template (`task.chat_template`) or as is,
+        then truncated to the last `rollout.max_prompt_tokens` (the end holds the question)."""
         text = record["prompt"]
         if text not in self._prompt_ids:
-            self._prompt_ids[text] = encode_prompt(self.tokenizer, text)
+            if self.cfg.task.chat_template:
+                chat = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                          add_generation_prompt=True)
+                ids = list(self.tokenizer(chat, add_special_tokens=False)["input_ids"])
+            else:
+                ids = encode_prompt(self.tokenizer, text)
+            self._prompt_ids[text] = ids[-self.cfg.rollout.max_prompt_tokens:]
         return self._prompt_ids[text]
 
     def score(self, step: int, results: list[tuple[int, GenResult]], ledger: Ledger) -> ScoredStep:

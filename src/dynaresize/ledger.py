@@ -17,7 +17,7 @@ stood at a checkpoint boundary (what a resumed run continues from). Consumption 
 after the step's trainer state is safe (a snapshot), so a step redone after a loss never
 counts a sample twice.
 
-`sample_record()` gives the `sample` record of DESIGN.md section 3 / issue 3.
+`sample_record()` gives the `sample` record (docs/records.md).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class Ledger:
 
 
 def sample_record(entry: Entry) -> dict:
-    """The fields of one `sample` record (DESIGN.md section 3)."""
+    """The fields of one `sample` record (docs/records.md)."""
     return {
         "sample_id": sample_id_str(entry.sample_id),
         "version": entry.version,

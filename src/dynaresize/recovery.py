@@ -70,7 +70,7 @@ class Recovery:
                 regroup.new_generation(cluster, survivors, assignment)
                 run.assignment = assignment
                 t_restore = time.time()
-                train = run.snapshots[max(v for v, s in run.snapshots.items() if s.moments is not None)]
+                train = run.snapshots[max(v for v, s in run.snapshots.items() if s.others is not None)]
                 rv = self._engine_version(w, train.version)
                 snapshot.restore(cluster, train, run.snapshots[rv])
                 run.engine_version = rv
@@ -116,7 +116,7 @@ class Recovery:
 
 def stop_run(run: Any, w: Window, reason: str) -> NoReturn:
     """End the run at its last consistent point: checkpoint, dropped samples, summary; raise."""
-    boundary = max(v for v, s in run.snapshots.items() if s.moments is not None)
+    boundary = max(v for v, s in run.snapshots.items() if s.others is not None)
     why = f"run stopped at step {boundary}: {reason}"
     dropped = run.ledger.stop_at(boundary, why)
     for step, buf in sorted(run.rollouts.items()):  # generated ahead, never scored

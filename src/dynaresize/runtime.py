@@ -9,7 +9,7 @@ Top loop (`Run.run`), one window per step k:
 With `train.staleness = 0` the rollout of k+1 starts after the sync instead (synchronous).
 The same `Controller` drives the simulator; both emit the same records (docs/records.md).
 
-Semantics (DESIGN.md section 3) are kept by `Job` (what to generate and how to score is a
+Semantics (README.md, "How it works") are kept by `Job` (what to generate and how to score is a
 function of sample ids only) and proven by the `Ledger`, whose verdict is `ledger_ok`.
 
 Faults (docs/faults.md): a window is a list of phases (`stepstate.Window`); a lost device
@@ -44,6 +44,9 @@ from dynaresize.rl import grpo
 from dynaresize.stepstate import StepRollout, Window, rollout_version
 from dynaresize.tracking import check_backends, open_sinks
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan, StepReport
+
+
+OP_EXTRAS = ("peak_staging_bytes", "kv_cache_bytes")  # op-record fields only some ops have
 
 
 class Run:
@@ -92,6 +95,13 @@ class Run:
         # A policy may name its split from step 0 (static:R, a scripted step-0 entry).
         start = None if state else getattr(policy, "start_rollout", None)
         assignment = Assignment.split(cfg.cluster.devices, cfg.cluster.rollout_devices if start is None else start)
+        why = bounds.why_not(assignment.num_rollout)
+        if why is not None:  # a config error, said before anything starts
+            from dynaresize.errors import ConfigError
+
+            raise ConfigError([f"cluster.rollout_devices={assignment.num_rollout}: the starting split breaks the "
+                               f"policy's bounds ({why}; policy.min_rollout={cfg.policy.min_rollout}, "
+                               f"policy.min_train={cfg.policy.min_train}, policy.move_unit={cfg.policy.move_unit})"])
         controller = Controller(policy=policy, bounds=bounds, assignment=assignment)
         controller.continue_resize_ids(state.get("next_resize_id", 0))  # ids stay unique across a resume
         return controller, assignment
@@ -160,6 +170,8 @@ class Run:
             w.synced = self.cluster.sync_weights(version=step + 1, step=step)
             self.engine_version = step + 1
             w.digest = self.cluster.param_digest() if cfg.deterministic else None
+            if w.digest is not None:
+                self.cluster.check_engine_weights(w.digest, step + 1)
         if nxt and not overlap:
             self._rollout(step + 1)
         if not w.reported:
@@ -264,7 +276,7 @@ class Run:
                       response_len_mean=scored.num_tokens / max(1, len(scored.samples)),
                       response_len_max=scored.longest_tokens,
                       rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
-                      recoveries=w.recoveries)
+                      recoveries=w.recoveries, **train_fields(train_stats))
         return report
 
     def _decide(self, step: int, report: StepReport) -> None:
@@ -298,7 +310,7 @@ class Run:
         for op in o.ops:
             self.rec.emit("op", resize_id=plan.resize_id, name=op["name"], device=op["device"],
                           start_s=self.rel(op["t0"]), end_s=self.rel(op["t1"]), bytes=op["bytes"],
-                          critical=op["critical"])
+                          critical=op["critical"], **{k: op[k] for k in OP_EXTRAS if k in op})
         total_end = max(op["t1"] for op in o.ops)
         as_ids = lambda a: {k: [ids[r] for r in v] for k, v in a.to_json().items()}  # noqa: E731
         rec = self.rec.emit("resize", resize_id=plan.resize_id, step=plan.step, **{"from": as_ids(plan.src)},
@@ -348,13 +360,22 @@ class Run:
         return summary
 
     def _save_hf(self) -> None:
-        from dynaresize.rl.models import build_model, save_hf
+        """The final weights as an HF folder (tied embeddings stay tied: one tensor, saved once)."""
+        from dynaresize.rl.models import build_model, complete_state_dict, save_hf
 
-        rank = self.assignment.devices(TRAIN)[0]
-        state = self.cluster.wait([(rank, self.cluster.trainer().full_weights.remote())], "export")[0]
+        state = self.cluster.full_weights()
         model = build_model(self.cfg.model)
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(complete_state_dict(state, model), strict=True)
         save_hf(model, self.job.tokenizer, self.out / "checkpoint")
+
+
+def train_fields(stats: list[dict]) -> dict:
+    """A step's training metrics for its record: the loss and its statistics (reduced over the
+    trainers, so every trainer reports the same), and the largest state one trainer held."""
+    first = stats[0]
+    out = {k: first[k] for k in ("loss", "grad_norm", "kl", "entropy", "clip_frac", "lr") if k in first}
+    out["train_state_bytes_max"] = max(int(s.get("train_state_bytes", 0)) for s in stats)
+    return out
 
 
 def _progress(total: int, enabled: bool, initial: int = 0) -> Any:

@@ -43,7 +43,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class CommActor:
     def __init__(self, rank: int, world_size: int) -> None:
-        torch.set_num_threads(1)  # DESIGN.md 8b: two threads made collectives slower
+        torch.set_num_threads(1)  # measured: two threads made collectives slower
         self.rank = rank
         self.world_size = world_size
         self.pool: CommPool | None = None

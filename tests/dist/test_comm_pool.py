@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dist
 
 @pytest.fixture(scope="module")
 def world():
-    ray.init(num_cpus=NUM_DEVICES, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=NUM_DEVICES, include_dashboard=False, logging_level="ERROR")
     try:
         actors, pg, init_s = start_world(NUM_DEVICES)
         yield actors, init_s

@@ -24,7 +24,7 @@ BPE = sum(torch.empty((), dtype=d).element_size() for d in KINDS.values())
 
 @pytest.fixture(scope="module")
 def actors():
-    ray.init(num_cpus=NUM_DEVICES, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=NUM_DEVICES, include_dashboard=False, logging_level="ERROR")
     try:
         handles, _, _ = start_world(NUM_DEVICES)
         yield handles

@@ -78,6 +78,20 @@ def test_malformed_config_and_faults_list_every_error(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("args, needle", [
+    (("--set", "policy.min_train=2"), "cluster.rollout_devices=3: the starting split breaks"),
+    (("--set", "policy.move_unit=2"), "not a multiple of move_unit 2"),
+    (("--set", "rollout.length_workload=bogus"), "rollout.length_workload='bogus': unknown"),
+    (("--set", "train.dtype=bf16", "--deterministic"), "train.dtype='bf16': deterministic mode needs fp32"),
+])
+def test_what_the_run_cannot_start_with_is_a_config_error(tmp_path, capsys, args, needle):
+    out = tmp_path / "r"
+    code = _run("--out", str(out), *args)
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("content, needle", [
     ("", "no prompts (the file is empty)"),
     ('{"prompt": "a"}\n{"prompt": "b"\n', ":2: bad JSON"),

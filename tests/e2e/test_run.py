@@ -24,7 +24,7 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def ray_local():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -126,3 +126,20 @@ def test_bad_config_exits_2_without_traceback(tmp_path):
     assert "cluster.devices='x'" in proc.stderr and "policy.name='nope'" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_bf16_with_kl_schedule_and_clipping_through_resizes(ray_local, tmp_path):
+    """bf16 compute (behaviour log-probs recomputed by the trainers), KL to the reference,
+    cosine schedule with warmup and gradient clipping, through a resize each way."""
+    cfg = _cfg(steps=6, policy__name="scripted", policy__schedule="2:3,4:1",
+               train={"lr": 5e-3, "dtype": "bf16", "kl_coef": 0.05, "lr_schedule": "cosine", "warmup_steps": 2,
+                      "max_grad_norm": 1.0})
+    summary = run_job(cfg, tmp_path / "r", progress=False)
+    assert summary["ledger_ok"] and summary["resizes_to_rollout"] == 1 and summary["resizes_to_train"] == 1
+    steps = sorted(read_records(tmp_path / "r" / "records.jsonl", "step"), key=lambda r: r["step"])
+    kl, lr = [s["kl"] for s in steps], [s["lr"] for s in steps]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and all(k > 0 for k in kl[1:])  # policy == reference at first
+    assert lr[0] < lr[1] == lr[2] > lr[3] > lr[4] > lr[5] > 0  # warmup, then cosine decay from its peak
+    assert all(s["grad_norm"] > 0 and 0 <= s["clip_frac"] <= 1 and s["entropy"] > 0 for s in steps)
+    by_w = {s["num_train"]: s["train_state_bytes_max"] for s in steps}
+    assert set(by_w) == {1, 2, 3} and by_w[1] > by_w[2] > by_w[3]  # sharded: fewer bytes with more trainers

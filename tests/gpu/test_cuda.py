@@ -33,31 +33,48 @@ def test_engine_generates_on_cuda_with_seeded_tokens():
     assert a[0].response_ids == b[0].response_ids  # a sample's tokens do not depend on its batch
 
 
-def test_trainer_step_and_nccl_world_of_one(tmp_path):
+def test_fsdp_trainer_step_sync_and_memory_on_cuda():
+    """FSDP2 trainer on an NCCL world of one: a step on cuda:0 moves the weights, the full
+    weights come back for the sync, the state lives on the GPU and is freed on release."""
     import torch.distributed as dist
 
     from dynaresize.comm import rendezvous
+    from dynaresize.rl import grpo
     from dynaresize.rl.models import build_model
-    from dynaresize.roles.train_torch import ShardedTrainer
+    from dynaresize.roles.train_fsdp import FSDPTrainer, TrainerSpec
+    from dynaresize.roles.train_state import OptimSettings
 
     port = rendezvous.free_port()
     rendezvous.init_world(rank=0, world_size=1, init_method=rendezvous.world_init_method("127.0.0.1", port),
                           backend="nccl", timeout_s=60, device_index=0)
     try:
         assert dist.get_backend() == "nccl"
-        model = build_model(_cfg()).cuda().train()
-        trainer = ShardedTrainer.build_from_model(model, (0,), 0)
-        batch = torch.randint(4, 2000, (2, 12), device="cuda")
+        group = dist.new_group([0])
+        for dtype in ("fp32", "bf16"):
+            spec = TrainerSpec(model=_cfg(), optim=OptimSettings(lr=1e-2, max_grad_norm=1.0), compute_dtype=dtype)
+            tr = FSDPTrainer(spec, ranks=(0,), rank=0, group=group, device="cuda", init_model=build_model(_cfg()))
+            assert all(t.is_cuda for t in tr.pieces("param"))
+            before = [t.clone() for t in tr.pieces("param")]
+            mb = [grpo.TrainSample(sample_id=(0, 0, s), prompt_ids=[2, 10, 11], response_ids=[12, 13, 14],
+                                   rollout_logprobs=[-7.0] * 3, advantage=1.0 - s) for s in range(2)]
 
-        def loss_fn(m, mb):
-            return m(input_ids=mb, labels=mb).loss
+            def loss_fn(model, batch):
+                b = grpo.dummy_micro_batch() if batch is None else batch
+                return grpo.micro_batch_loss(model, b, total_response_tokens=6, clip_eps=0.2), {}
 
-        before = trainer.state_shards()["param"].clone()
-        stats = trainer.train_step([(0, batch)], loss_fn, group=None, num_micro_batches=1)
-        assert stats["step"] == 1
-        assert not torch.equal(before, trainer.state_shards()["param"])
-        t = torch.ones(4, device="cuda")
-        dist.all_reduce(t)
-        assert float(t.sum()) == 4.0
+            stats = tr.compute_grads([(0, mb)], loss_fn, num_micro_batches=1)
+            tr.apply_optimizer()
+            assert stats["grad_norm"] > 0 and stats["train_state_bytes"] > 0
+            assert any(not torch.equal(a, b) for a, b in zip(before, tr.pieces("param")))
+            full = dict(tr.full_params())
+            assert all(t.is_cuda and t.dtype == torch.float32 for t in full.values())
+            held = torch.cuda.memory_allocated()
+            tr.release()
+            del full, before
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+            assert torch.cuda.memory_allocated() < held, dtype
     finally:
         rendezvous.destroy_world()

@@ -44,23 +44,25 @@ def test_faulted_device_outside_the_point_fires_now_and_inside_fires_in_its_call
     assert inj.unfired() == ["kill:0@rollout:5"]  # the summary's faults_unfired
 
 
-def _snap(ranges, moments=True):
-    metas = [{"lo": lo, "hi": hi, "numel": max(h for _, h in ranges), "scalars": {}} for lo, hi in ranges]
-    return Snapshot(version=3, metas=metas, params=[f"p{lo}" for lo, _ in ranges],
-                    moments=[f"m{lo}" for lo, _ in ranges] if moments else None)
+def _snap(pieces, others=True):
+    """Shards given by their pieces (global ranges), in any order."""
+    numel = max(hi for ps in pieces for _, hi in ps)
+    metas = [{"pieces": [list(p) for p in ps], "numel": numel, "scalars": {}} for ps in pieces]
+    names = [f"{ps[0][0]}" for ps in pieces]
+    return Snapshot(version=3, metas=metas, params=[f"p{n}" for n in names],
+                    others=[f"o{n}" for n in names] if others else None)
 
 
 def test_snapshot_gives_each_new_rank_only_the_shards_it_overlaps():
-    snap = _snap([(6, 10), (0, 3), (3, 6)])  # any order in, sorted by range
-    assert [m["lo"] for m in snap.metas] == [0, 3, 6] and snap.params == ["p0", "p3", "p6"]
-    metas, refs = snap.train_args(2, 0)  # new shard [0, 5)
-    assert [m["lo"] for m in metas] == [0, 3] and refs == ["p0", "m0", "p3", "m3"]
-    metas, refs = snap.train_args(2, 1)  # [5, 10)
-    assert refs == ["p3", "m3", "p6", "m6"]
+    snap = _snap([[(6, 8), (12, 14)], [(0, 3), (8, 10)], [(3, 6), (10, 12)]])
+    metas, refs = snap.train_args([[0, 4], [9, 10]])
+    assert refs == ["p0", "o0", "p3", "o3"]
+    metas, refs = snap.train_args([[7, 8]])
+    assert refs == ["p6", "o6"] and metas[0]["pieces"] == [[6, 8], [12, 14]]
     with pytest.raises(ValueError, match="do not tile"):
-        _snap([(0, 3), (4, 10)])
+        _snap([[(0, 3)], [(4, 10)]])
     with pytest.raises(ValueError, match="parameters only"):
-        _snap([(0, 10)], moments=False).train_args(1, 0)
+        _snap([[(0, 10)]], others=False).train_args([[0, 10]])
 
 
 def test_rollout_version_rule():

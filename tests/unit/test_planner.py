@@ -52,10 +52,26 @@ def test_op_names_are_the_shared_contract_and_all_have_costs():
     assert OP_NAMES == {
         "drop_from_train_group", "move_param_shards", "load_weights", "alloc_kv_cache", "add_to_router",
         "move_optimizer_shards", "free_train_memory", "prewarm_groups", "stop_routing", "drain_requests",
-        "release_engine_memory", "join_train_group", "receive_param_shards", "receive_optimizer_shards", "warmup"}
+        "release_engine_memory", "join_train_group", "receive_param_shards", "receive_optimizer_shards"}
     m = get_model("7b")
     for name in OP_NAMES:
         seconds, nbytes = op_cost(name, m, num_train_before=8, num_train_after=7, num_moving=1)
         assert seconds > 0 and nbytes >= 0
     with pytest.raises(ValueError):
         op_cost("reboot", m, num_train_before=1, num_train_after=1, num_moving=1)
+
+
+def test_every_planned_op_has_a_handler_and_a_cost_and_nothing_else():
+    """The planner's op names, the runtime's op registry and the simulator's cost table are the
+    same set, both directions; and every op of a plan each way is handled."""
+    from dynaresize.cluster.resize_ops import HANDLERS, op_order
+    from dynaresize.sim.costs import OP_COSTS
+
+    assert set(HANDLERS) == set(planner.OP_NAMES) == set(OP_COSTS)
+    src = Assignment.split(4, 2)
+    for target in (1, 3):
+        plan = planner.plan_resize(resize_id=0, step=0, src=src, target_rollout=target)
+        names = op_order(plan)
+        assert set(names) == {op.name for op in plan.ops} and len(names) == len(set(names))
+        crit = [op.name for op in plan.ops if op.critical and op.device == plan.moving[0]]
+        assert names[:len(crit)] == crit  # critical ops first, in chain order

@@ -147,3 +147,42 @@ def test_logprob_count_mismatch_is_an_error(model):
     bad = TrainSample(s.sample_id, s.prompt_ids, s.response_ids, s.rollout_logprobs[:-1] or [], 1.0)
     with pytest.raises(ValueError, match="rollout log-probs"):
         micro_batch_loss(model, [bad], total_response_tokens=10, clip_eps=0.2)
+
+
+def test_k1_estimator_and_entropy_stats(model):
+    samples = _samples(model)
+    total = total_response_tokens(samples)
+    with torch.no_grad():
+        own = [lp.tolist() for lp in response_logprobs(model, samples)]
+    far = [[x - 1.0 for x in lp] for lp in own]
+    stats: dict = {}
+    micro_batch_loss(model, samples, total_response_tokens=total, clip_eps=0.2, kl_coef=0.5, ref_logprobs=far,
+                     kl_estimator="k1", stats=stats)
+    assert abs(stats["kl_sum"] - 1.0 * total) < 1e-3  # log pi - log ref = 1 on every token
+    assert 0 < stats["entropy_sum"] / total <= math.log(CFG.vocab_size) + 1e-4
+    with pytest.raises(ValueError, match="kl_estimator"):
+        micro_batch_loss(model, samples, total_response_tokens=total, clip_eps=0.2, kl_estimator="k2")
+
+
+def test_decoupled_loss_uses_proximal_ratio_and_capped_behaviour_weight(model):
+    """With proximal log-probs (recomputed by the trainers) the ratio is against them and each
+    token is weighted by exp(prox - behaviour), capped."""
+    from dynaresize.rl.grpo import BEHAVIOUR_WEIGHT_CAP
+
+    samples = _samples(model)
+    total = total_response_tokens(samples)
+    with torch.no_grad():
+        own = [lp.tolist() for lp in response_logprobs(model, samples)]
+    on_policy = [TrainSample(s.sample_id, s.prompt_ids, s.response_ids, lp, s.advantage) for s, lp in zip(samples, own)]
+    plain = micro_batch_loss(model, on_policy, total_response_tokens=total, clip_eps=0.2).item()
+    same = [s.with_logprobs(s.rollout_logprobs) for s in on_policy]
+    assert abs(micro_batch_loss(model, same, total_response_tokens=total, clip_eps=0.2).item() - plain) < 1e-6
+    # behaviour 0.5 nats below proximal: every token weighs exp(0.5); far below: the cap
+    for gap, weight in ((0.5, math.exp(0.5)), (10.0, BEHAVIOUR_WEIGHT_CAP)):
+        stale = [TrainSample(s.sample_id, s.prompt_ids, s.response_ids, [x - gap for x in lp], s.advantage,
+                             prox_logprobs=lp) for s, lp in zip(samples, own)]
+        stats: dict = {}
+        got = micro_batch_loss(model, stale, total_response_tokens=total, clip_eps=0.2, stats=stats).item()
+        assert abs(got - weight * plain) < 1e-5 and stats["clipped_tokens"] == 0
+    with pytest.raises(ValueError, match="log-probs for"):
+        on_policy[0].with_logprobs([0.0])

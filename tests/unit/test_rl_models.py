@@ -54,8 +54,9 @@ def test_build_model_bit_identical_and_leaves_global_rng_alone():
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert any(not torch.equal(sa[k], sc[k]) for k in sa)
     assert all(v.dtype == torch.float32 for v in sa.values())
-    # Untied head: state_dict and named_parameters name the same tensors.
-    assert set(sa) == {n for n, _ in a.named_parameters()}
+    # Tied head (the default): state_dict names it twice, named_parameters once.
+    assert set(sa) == {n for n, _ in a.named_parameters()} | {"lm_head.weight"}
+    assert a.lm_head.weight is a.model.embed_tokens.weight
     assert a.config.vocab_size == 1000 and a.config.num_hidden_layers == 2
 
 

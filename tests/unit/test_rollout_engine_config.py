@@ -122,10 +122,9 @@ def test_resolve_engine_refuses_vllm_where_it_cannot_run(have_vllm, monkeypatch)
         base.resolve_engine(vllm_cfg)  # uninstalled after the config was built (another machine)
 
 
-def test_temporary_backend_property(have_vllm):
-    assert _cfg(engine="auto").rollout.backend == "hf"
-    assert _cfg(engine="hf").rollout.backend == "hf"
-    assert _cfg(engine="vllm").rollout.backend == "vllm"
+def test_resolved_engine(have_vllm):
+    assert base.resolve_engine(_cfg(engine="hf")) == "hf"
+    assert base.resolve_engine(_cfg(engine="vllm")) == "vllm"
 
 
 def test_vllm_settings_reach_the_engine_arguments(have_vllm):
@@ -153,19 +152,6 @@ def test_hf_engine_from_config(no_vllm):
 
     eng = base.rollout_engine_from_config(_cfg(engine="auto", batch_rows=8))
     assert isinstance(eng, HFRolloutEngine) and eng.batch_rows == 8
-
-
-def test_build_rollout_engine_kept_for_callers(no_vllm):
-    pytest.importorskip("torch")
-    from dynaresize.roles.rollout_hf import HFRolloutEngine
-
-    model = build_config({}).model
-    assert isinstance(base.build_rollout_engine("hf", model, 1.0, batch_rows=4), HFRolloutEngine)
-    assert isinstance(base.build_rollout_engine("auto", model, 1.0, batch_rows=4), HFRolloutEngine)
-    with pytest.raises(UserError, match="vllm package is not installed"):
-        base.build_rollout_engine("vllm", model, 1.0)
-    with pytest.raises(UserError, match="sglang"):
-        base.build_rollout_engine("sglang", model, 1.0)
 
 
 def test_vllm_engine_refuses_small_heads():

@@ -80,6 +80,9 @@ class Cluster:
         self.ids: list[int] = list(range(self.num_devices))
         self.generation = 0
         self.faults = FaultInjector(parse_faults(cfg.faults, self.num_devices))
+        self.use_gpu = False  # set by start: NCCL on GPUs
+        self._shapes: list | None = None  # trainable parameter shapes (layout_for)
+        self.deferred_moments: tuple[int, ...] = ()  # NCCL: devices that left training, moments not sent
         self.watchdog = Watchdog(ping=lambda r: self.workers[r].alive.remote(), collective_s=cfg.timeouts.collective_s,
                                  call_s=cfg.timeouts.actor_call_s)
 
@@ -88,13 +91,14 @@ class Cluster:
     def start(self, assignment: Assignment) -> None:
         cfg = self.cfg
         use_gpu = cfg.cluster.backend == "nccl" or (cfg.cluster.backend == "auto" and _cuda_available())
+        self.use_gpu = use_gpu
         if not ray.is_initialized():
             need = math.ceil(self.num_devices * cfg.cluster.cpus_per_device)
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
             if cfg.cluster.address:
                 kwargs["address"] = cfg.cluster.address
-            else:
-                kwargs["num_cpus"] = max(os.cpu_count() or 1, need)
+            else:  # a Ray of our own, even where another one runs on this machine
+                kwargs.update(address="local", num_cpus=max(os.cpu_count() or 1, need))
             ray.init(**kwargs)
             self._started_ray = True
         self._pg = make_placement_group(self.num_devices, use_gpu=use_gpu, cpus_per_device=cfg.cluster.cpus_per_device)
@@ -206,7 +210,7 @@ class Cluster:
     def worker_of(self, device_id: int) -> Any:
         return self.workers[self.ids.index(device_id)]
 
-    def _reach(self, point: str, step: int, ranks) -> None:
+    def reach(self, point: str, step: int, ranks) -> None:
         """The run reached fault point `point` of `step`, carried out by `ranks` (cluster/faults.py)."""
         alive = lambda dev: dev in self.ids and self.ids.index(dev) not in self.watchdog.lost  # noqa: E731
         self.faults.reach(point, step, [self.ids[r] for r in ranks], self.worker_of, alive)
@@ -224,7 +228,7 @@ class Cluster:
         A lost device's group goes back to the front of the queue (same ids and seeds) and the
         stage goes on with the other devices; groups left when no device is left come back in
         `remaining`. Devices in the outcome are device ids (`ids`), not ranks."""
-        self._reach("rollout", step, devices[:len(groups)])
+        self.reach("rollout", step, devices[:len(groups)])
         t0 = time.time()
         ids = self.ids
         queue = list(groups)
@@ -268,101 +272,105 @@ class Cluster:
         per: dict[int, list[tuple[int, list]]] = {d: [] for d in devices}
         for i, mb in enumerate(micro_batches):
             per[devices[i % len(devices)]].append((i, mb))
-        self._reach("train", step, devices)
+        self.reach("train", step, devices)
         refs = [self.workers[d].train.remote(step, per[d], len(micro_batches), total_tokens) for d in devices]
-        stats = self.wait(list(zip(devices, refs)), f"train {step}")
+        leavers, self.deferred_moments = self.deferred_moments, ()  # NCCL: their sends match this step's receives
+        flushed = [(d, self.workers[d].flush_moments.remote()) for d in leavers]
+        stats = self.wait(list(zip(devices, refs)) + flushed, f"train {step}")[:len(devices)]
         return [{**st, "device": self.ids[d]} for d, st in zip(devices, stats)]
 
     def sync_weights(self, version: int, step: int) -> list[dict]:
+        """Weights of `version` to every rollout device: all trainers gather them (FSDP), the
+        first sends them over the cached sync group. Entries for the sync group's devices."""
         a = self.assignment
         train, rollout = a.devices(TRAIN), a.devices(ROLLOUT)
         if not rollout:
             return []
         ranks = tuple(sorted((train[0], *rollout)))
-        self._reach("weight_sync", step, ranks)
-        out = self.wait([(d, self.workers[d].sync_weights.remote(train[0], ranks, version, step)) for d in ranks],
+        devices = tuple(sorted(set(train) | set(rollout)))
+        self.reach("weight_sync", step, ranks)
+        out = self.wait([(d, self.workers[d].sync_weights.remote(train[0], ranks, version, step)) for d in devices],
                         f"weight sync {version}")
-        return [{**r, "device": self.ids[d]} for d, r in zip(ranks, out)]
+        return [{**r, "device": self.ids[d]} for d, r in zip(devices, out) if d in ranks]
 
     # ------------------------------------------------------------------ resize
 
     def resize(self, plan: ResizePlan, *, version: int, step: int, background_moments: bool) -> ResizeOutcome:
-        """Carry out the critical ops of `plan` now; start its background ops and return."""
-        t_decide = time.time()
-        out = ResizeOutcome(plan=plan, t_decide=t_decide)
-        old_train, new_train = plan.src.devices(TRAIN), plan.dst.devices(TRAIN)
-        union = tuple(sorted(set(old_train) | set(new_train)))
-        moving = plan.moving
+        """Carry out the critical ops of `plan` now, by name (cluster/resize_ops.py); start its
+        background ops and return."""
+        from dynaresize.cluster import resize_ops
+
+        out = ResizeOutcome(plan=plan, t_decide=time.time())
         self.wait_prewarm()  # pre-warm runs in the background; never two group creations at once
-
-        def record(name: str, devices, results, critical: bool) -> None:
-            for d, r in zip(devices, results):
-                out.ops.append(self._op(name, d, r, critical))
-                if critical:
-                    out.critical_end = max(out.critical_end, r["t1"])
-
-        # Join or drop: the groups of the new split (cached when pre-warmed: then nothing is created).
-        t0 = time.time()
-        out.groups_created_critical = self._create_groups(self._split_sets(plan.dst), critical=True)
-        group_op = planner.DROP_FROM_TRAIN_GROUP if plan.to_role == ROLLOUT else planner.JOIN_TRAIN_GROUP
-        record(group_op, moving, [{"t0": t0, "t1": time.time()}] * len(moving), True)
-        scalars = self.wait([(old_train[0], self.workers[old_train[0]].trainer_scalars.remote())], "resize")[0]
-        if plan.to_role == TRAIN:
-            self._reach("resize.switch", step, moving)
-            rel = self.wait([(d, self.workers[d].release_engine.remote(step)) for d in moving], "resize: release engine")
-            record(planner.RELEASE_ENGINE_MEMORY, moving, rel, True)
-        self._reach("resize.reshard", step, union)
-        # Every new trainer's model holds this version in fp32 (the sync ran before the resize):
-        # parameter shards are cut locally unless configured to move through staging.
-        local = version if self.cfg.reshard.local_param_shards else None
-        res = self.wait([(d, self.workers[d].reshard_params.remote(old_train, new_train, with_moments=not background_moments,
-                                                                    scalars=scalars, step=step, version=local))
-                         for d in union], "resize: reshard")
-        shard_op = planner.MOVE_PARAM_SHARDS if plan.to_role == ROLLOUT else planner.RECEIVE_PARAM_SHARDS
-        record(shard_op, union, res, True)
-        if plan.to_role == ROLLOUT:
-            self._reach("resize.switch", step, moving)
-            sw = self.wait([(d, self.workers[d].leave_train.remote(version, step)) for d in moving], "resize: switch")
-            record(planner.LOAD_WEIGHTS, moving, sw, True)
-        elif local is None:  # joining devices rebuild their compute weights from the moved shards
-            g = self.wait([(d, self.workers[d].gather_params.remote()) for d in new_train], "resize: gather")
-            record(planner.RECEIVE_PARAM_SHARDS + ".gather", new_train, g, True)
+        resize_ops.execute(resize_ops.ResizeContext(cluster=self, plan=plan, version=version, step=step,
+                                                    background_moments=background_moments, out=out))
         self.assignment = plan.dst
-        if background_moments:
-            name = planner.MOVE_OPTIMIZER_SHARDS if plan.to_role == ROLLOUT else planner.RECEIVE_OPTIMIZER_SHARDS
-            world = tuple(range(self.num_devices))
-            out.background += [(name, d, self.workers[d].reshard_moments.remote(old_train, new_train, world))
-                               for d in union]
-        self._prewarm_futures = self._prewarm(plan.dst)
-        out.background += [(planner.PREWARM_GROUPS, d, ref) for d, ref in enumerate(self._prewarm_futures)]
         return out
+
+    def create_split_groups(self, a: Assignment, *, critical: bool) -> int:
+        """The communicators split `a` needs (created now unless cached); how many were created."""
+        return self._create_groups(self._split_sets(a), critical=critical)
+
+    def prewarm(self, a: Assignment) -> list[tuple[int, Any]]:
+        """Start pre-warming the groups of the splits near `a`; (device, ref) per worker."""
+        self._prewarm_futures = self._prewarm(a)
+        return list(enumerate(self._prewarm_futures))
 
     def finish_background(self, outcome: ResizeOutcome) -> None:
         """Wait for a resize's background ops and add them to its op list."""
         background, outcome.background = outcome.background, []
         results = self.wait([(d, ref) for _, d, ref in background], "resize: background ops")
         for (name, d, _), r in zip(background, results):
-            outcome.ops.append(self._op(name, d, r, False))
+            outcome.ops.append(self.op_entry(name, d, r, False))
         self._prewarm_futures = []
 
-    def _op(self, name: str, d: int, r: dict, critical: bool) -> dict:
+    def op_entry(self, name: str, d: int, r: dict, critical: bool) -> dict:
         """One op's entry: times, bytes received and the staging it held (reshard ops)."""
         return {"name": name, "device": self.ids[d], "t0": r["t0"], "t1": r["t1"],
                 "bytes": int(r.get("bytes_received", 0)), "critical": critical,
-                **{k: r[k] for k in ("peak_staging_bytes", "bytes_sent", "num_messages") if k in r}}
+                **{k: r[k] for k in ("peak_staging_bytes", "bytes_sent", "num_messages", "kv_cache_bytes") if k in r}}
 
     # ------------------------------------------------------------------ outputs
 
-    def param_digest(self) -> str:
-        """Digest of the current weights on the first training device (deterministic mode)."""
-        return self.wait([(self.assignment.devices(TRAIN)[0], self.trainer().param_digest.remote())], "digest")[0]
+    def on_trainers(self, method: str, *args: Any, where: str) -> Any:
+        """A collective method on every trainer; the first trainer's result."""
+        train = self.assignment.devices(TRAIN)
+        return self.wait([(d, getattr(self.workers[d], method).remote(*args)) for d in train], where)[0]
 
-    def trainer(self, index: int = 0) -> Any:
-        return self.workers[self.assignment.devices(TRAIN)[index]]
+    def param_digest(self) -> str:
+        """sha1 of the current full weights (collective over the trainers; deterministic mode)."""
+        return self.on_trainers("param_digest", where="digest")
+
+    def layout_for(self, ranks) -> Any:
+        """The trainers' state layout over `ranks` (the backend's: FSDP2 row chunks)."""
+        from dynaresize.reshard.layout import RowChunkLayout
+        from dynaresize.roles.train_fsdp import param_shapes
+
+        if self._shapes is None:
+            self._shapes = param_shapes(self.cfg.model)
+        return RowChunkLayout.of_shapes(self._shapes, tuple(ranks))
+
+    def check_engine_weights(self, digest: str, version: int) -> None:
+        """Deterministic mode: every rollout engine serves exactly the trainers' weights."""
+        rollout = self.assignment.devices(ROLLOUT)
+        got = self.wait([(d, self.workers[d].engine_digest.remote()) for d in rollout], "engine digest")
+        bad = [self.ids[d] for d, g in zip(rollout, got) if g != digest]
+        if bad:
+            raise RuntimeError(f"weight sync of version {version}: engines on devices {bad} do not hold the "
+                               "trainers' weights (digest mismatch)")
+
+    def full_weights(self) -> dict:
+        """The current full fp32 weights on the driver, by parameter name (tied weights once)."""
+        return self.on_trainers("full_weights", where="export")
 
     def save_checkpoint(self, directory: str, extra: dict | None = None) -> None:
-        self.wait([(d, self.workers[d].save_checkpoint.remote(directory, extra)) for d in self.assignment.devices(TRAIN)],
-                  "save checkpoint")
+        """A trainer checkpoint of the current state (from a fresh snapshot)."""
+        from dynaresize.cluster import snapshot
+
+        scalars = self.wait([(self.assignment.devices(TRAIN)[0], self.workers[self.assignment.devices(TRAIN)[0]]
+                              .trainer_scalars.remote())], "checkpoint")[0]
+        snap = snapshot.take(self, scalars["step"], self.assignment.devices(TRAIN))
+        snapshot.write_checkpoint(snap, directory, extra=extra)
 
 
 def _cuda_available() -> bool:

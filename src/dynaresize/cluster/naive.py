@@ -4,7 +4,7 @@ A naive resize restarts everything: the trainers write their state to a checkpoi
 every worker process is torn down (`ray.kill`), new workers are created (new processes, in the
 same placement-group bundles), they join a new world (new port), create the communicators of
 the new split, the new training devices reload trainer state from the checkpoint at the new
-training world size (`ShardedTrainer.load_checkpoint` reshards on load), and the rollout
+training world size (`FSDPTrainer.load_checkpoint` reshards on load), and the rollout
 engines are rebuilt and given the current weights. Nothing useful can run until all of that
 is done, so its whole length is critical: `critical_s` = decision to the last phase's end.
 

@@ -56,6 +56,7 @@ def new_generation(cluster: Any, survivors: list[int], assignment: Assignment) -
     cluster.ids = [cluster.ids[r] for r in survivors]
     cluster.num_devices = len(survivors)
     cluster.generation += 1
+    cluster.deferred_moments = ()  # moments of a resize cut short come back from the snapshot
     cluster.watchdog.clear(cluster.num_devices)
     cluster._prewarm_futures = []  # settled: they ran (or failed) in the old world
     b = cluster.bounds

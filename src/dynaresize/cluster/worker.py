@@ -1,18 +1,25 @@
 """The long-lived device worker: one Ray actor per device, created once, switching role in place.
 
 A worker joins the run's one torch.distributed world once (`init_world`), owns its
-communicator pool, and holds one role runtime at a time: a rollout engine or a trainer shard.
-A resize never restarts the process and never creates a new world: it moves trainer state
-(`reshard_params`, `reshard_moments`), switches the role (`leave_train`, `release_engine`,
-`gather_params`) and reuses cached groups.
+communicator pool, and holds one role runtime at a time: a rollout engine or a trainer shard
+(roles/train_fsdp.py: FSDP2 over the cached training communicator). A resize never restarts
+the process and never creates a new world: the driver runs the plan's ops by name
+(cluster/resize_ops.py), and each op calls one method here.
+
+Device placement: a worker holding a GPU puts everything on `cuda:0` (Ray sets
+CUDA_VISIBLE_DEVICES to its own GPU); snapshots and exports copy to host explicitly
+(`.cpu()`); leaving a role frees its tensors and empties the CUDA cache.
 
 Threads: Ray runs the default methods one at a time on the main thread; methods in the `bg`
 concurrency group run on one background thread. The background thread does only what may
 overlap the step's real work: pre-warming groups and moving optimizer moments on the
-`background` group (never a group the main thread uses: two threads must not share a group).
-`train` waits for pending moments only just before the optimizer step, so their movement
-overlaps forward and backward (DESIGN.md section 6). A third thread, `ctl`, only answers
-liveness pings and fires injected faults (cluster/worker_recovery.py, cluster/faults.py).
+`background` communicator (never one the main thread uses: two threads never share a group).
+`train` waits for pending moments only just before the optimizer step, so on CPU (gloo) their
+movement overlaps forward and backward. With NCCL, two threads issuing collectives on two
+communicators in different orders on different ranks can deadlock, so there the moments move on
+the main thread, on the background communicator, after the backward and before the optimizer
+step: still off the resize's critical path, no longer overlapped. A third thread, `ctl`, only
+answers liveness pings and fires injected faults (cluster/worker_recovery.py, faults.py).
 
 Every method that does timed work returns epoch start/end times (`time.time()`), which the
 driver turns into `span` and `op` records.
@@ -23,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 import torch
@@ -33,17 +40,22 @@ from dynaresize.cluster.worker_recovery import RecoveryMixin
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import CommPool
 from dynaresize.config import RunConfig, build_config
-from dynaresize.reshard.execute import ReshardStats, reshard_flat
+from dynaresize.reshard.execute import NO_STATS
+from dynaresize.reshard.layout import RowChunkLayout
 from dynaresize.rl import grpo
 from dynaresize.rl.models import build_model
-from dynaresize.roles.base import GenRequest, build_rollout_engine
-from dynaresize.roles.train_state import OptimSettings
-from dynaresize.roles.train_torch import ShardedTrainer
-from dynaresize.roles.weight_sync import broadcast_flat, flatten_params, param_specs, unflatten
+from dynaresize.roles.base import GenRequest, resolve_engine, rollout_engine_from_config
+from dynaresize.roles.train_fsdp import MOMENT_KINDS, REF_KIND, FSDPTrainer, TrainerSpec, move_state
+from dynaresize.roles.weight_sync import receive_weights, send_weights
 
-PARAM_KINDS = ("param",)
-MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
 BACKGROUND_TAG = "background"
+
+
+def local_device(backend: str) -> torch.device:
+    """cuda:0 when this worker holds a GPU and the world runs NCCL, else the CPU."""
+    if backend in ("nccl", "auto") and torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
 
 
 class DeviceWorker(RecoveryMixin):
@@ -59,25 +71,29 @@ class DeviceWorker(RecoveryMixin):
             pass
         if self.cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
+        self.torch_device = local_device(self.cfg.cluster.backend)
+        self.spec = TrainerSpec.from_config(self.cfg)
         self.role: str | None = None
         self.pool: CommPool | None = None
-        self.trainer: ShardedTrainer | None = None
+        self.trainer: FSDPTrainer | None = None
         self.engine = None
         self.train_ranks: tuple[int, ...] = ()
-        self._numel: int | None = None
         self._specs: list | None = None
-        self._old_moments: dict[str, torch.Tensor] | None = None
+        self._full: dict[str, torch.Tensor] | None = None  # full weights held for the engine to start with
+        self._full_version: int | None = None
+        self._old_moments: dict[str, list[torch.Tensor]] | None = None  # sent in the background
+        self._old_layout: RowChunkLayout | None = None
         self._moments_done = threading.Event()
         self._moments_done.set()
         self._moments_error: BaseException | None = None
+        self._inline_moments: Callable[[], dict] | None = None  # NCCL: moved on the main thread
         self._faults: list[tuple[str, str, int]] = []  # (kind, point, step) armed by the driver
-        self._handover: torch.nn.Module | None = None  # engine model kept for a joining trainer
-        self._handover_version: int | None = None  # the weights version that model holds
 
     # ------------------------------------------------------------------ world and groups
 
     def info(self) -> dict:
-        return {"device": self.device, "pid": os.getpid(), "ip": rendezvous.node_ip(), "role": self.role}
+        return {"device": self.device, "pid": os.getpid(), "ip": rendezvous.node_ip(), "role": self.role,
+                "torch_device": str(self.torch_device)}
 
     def free_port(self) -> int:
         return rendezvous.free_port()
@@ -106,27 +122,51 @@ class DeviceWorker(RecoveryMixin):
 
     # ------------------------------------------------------------------ roles
 
-    def _model_specs(self) -> list:
+    def _model_specs(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of the trainable parameters in flattening order (tied weights once)."""
         if self._specs is None:
-            self._specs = param_specs(build_model(self.cfg.model))
+            from dynaresize.roles.train_fsdp import empty_model
+
+            self._specs = [(n, tuple(p.shape)) for n, p in empty_model(self.cfg.model).named_parameters()]
         return self._specs
 
-    def _new_trainer(self, model: torch.nn.Module, ranks: Sequence[int]) -> ShardedTrainer:
-        settings = OptimSettings.from_config(self.cfg.train)
-        return ShardedTrainer(model, settings, ranks=ranks, rank=self.device, seed=self.cfg.seed)
+    def _layout(self, ranks: Sequence[int]) -> RowChunkLayout:
+        return RowChunkLayout.of_shapes([s for _, s in self._model_specs()], ranks)
+
+    def _new_trainer(self, ranks: Sequence[int], init: bool) -> FSDPTrainer:
+        ranks = tuple(sorted(ranks))
+        return FSDPTrainer(self.spec, ranks=ranks, rank=self.device, group=self.pool.get(ranks),
+                           device=self.torch_device, init_model=build_model(self.cfg.model) if init else None)
+
+    def _new_engine(self):
+        extra = {"device": self.torch_device} if self._engine_name() == "hf" else {}
+        return rollout_engine_from_config(self.cfg, **extra)
+
+    def _engine_name(self) -> str:
+        """"vllm" or "hf": `rollout.engine` resolved for this run (roles/base.py)."""
+        if getattr(self, "_engine", None) is None:
+            self._engine = resolve_engine(self.cfg)
+        return self._engine
+
+    def _old_logprobs(self) -> str:
+        """Where the PPO ratio's behaviour log-probs come from (`train.old_logprobs`). `auto`:
+        the engine's when they are the trainer's own computation (the HF engine in fp32),
+        recomputed by the trainers otherwise (vLLM's kernels, bf16 training)."""
+        mode = self.cfg.train.old_logprobs
+        if mode != "auto":
+            return mode
+        exact = self._engine_name() == "hf" and self.cfg.train.dtype == "fp32"
+        return "engine" if exact else "recompute"
 
     def start_train(self, train_ranks: Sequence[int]) -> dict:
         """Initial role: a trainer shard of the freshly initialised model (identical everywhere)."""
-        settings = OptimSettings.from_config(self.cfg.train)
-        model = build_model(self.cfg.model).train()
-        self.trainer = ShardedTrainer.build_from_model(model, train_ranks, self.device, settings, seed=self.cfg.seed)
-        self.train_ranks, self.role, self._numel = tuple(sorted(train_ranks)), "train", self.trainer.numel
-        return {"numel": self.trainer.numel, "shard_bytes": self.trainer.shard_bytes()}
+        self.trainer = self._new_trainer(train_ranks, init=True)
+        self.train_ranks, self.role = tuple(sorted(train_ranks)), "train"
+        return {"numel": self.trainer.layout.numel, "state_bytes": self.trainer.state_bytes()}
 
     def start_rollout(self, version: int) -> dict:
         """Initial role: a rollout engine holding the initial weights (version 0)."""
-        self.engine = build_rollout_engine(self.cfg.rollout.backend, self.cfg.model, self.cfg.rollout.temperature,
-                                           batch_rows=self.cfg.rollout.batch_rows)
+        self.engine = self._new_engine()
         self.engine.set_weights(build_model(self.cfg.model).state_dict(), version)
         self.role = "rollout"
         return {"version": version}
@@ -145,187 +185,246 @@ class DeviceWorker(RecoveryMixin):
         if torch.get_num_threads() != self.cfg.cluster.torch_threads:
             torch.set_num_threads(self.cfg.cluster.torch_threads)
 
+    def _loss_fn(self, total_tokens: int, ref_logprobs: dict | None) -> Callable:
+        tc, temperature = self.cfg.train, self.cfg.rollout.temperature
+
+        def loss_fn(model: torch.nn.Module, mb: list | None) -> tuple[torch.Tensor, dict]:
+            dummy = mb is None
+            batch = grpo.dummy_micro_batch() if dummy else mb
+            refs = None
+            if self.trainer.ref is not None:
+                with torch.no_grad():
+                    refs = grpo.response_logprobs(self.trainer.ref, batch, temperature=temperature)
+            stats: dict = {}
+            loss = grpo.micro_batch_loss(model, batch, total_response_tokens=total_tokens, clip_eps=tc.clip_eps,
+                                         kl_coef=tc.kl_coef, ref_logprobs=refs, kl_estimator=tc.kl_estimator,
+                                         temperature=temperature, stats=stats)
+            return (loss * 0.0, {}) if dummy else (loss, stats)
+
+        return loss_fn
+
+    def recompute_logprobs(self, micro_batches: list[tuple[int, list]], num_micro_batches: int) -> dict:
+        """Behaviour log-probs recomputed by the trainers with their current weights (collective
+        over the training group; a rank without a micro-batch in a round runs a dummy)."""
+        temperature = self.cfg.rollout.temperature
+        out = self.trainer.forward_rounds(
+            micro_batches, num_micro_batches,
+            lambda model, mb: [lp.tolist() for lp in grpo.response_logprobs(
+                model, grpo.dummy_micro_batch() if mb is None else mb, temperature=temperature)])
+        return {i: lps for i, lps in out.items()}
+
     def train(self, step: int, micro_batches: list[tuple[int, list]], num_micro_batches: int,
               total_tokens: int) -> dict:
         """One training step on this rank's micro-batches (fixed composition by sample index)."""
         self._maybe_fault("train", step)
         self._pin_threads()
         t0 = time.time()
-        group = self.pool.get(self.train_ranks) if len(self.train_ranks) > 1 else None
-        tc = self.cfg.train
-        temperature = self.cfg.rollout.temperature
-
-        def loss_fn(model: torch.nn.Module, mb: list) -> Any:
-            loss = grpo.micro_batch_loss(model, mb, total_response_tokens=total_tokens, clip_eps=tc.clip_eps,
-                                         kl_coef=0.0, temperature=temperature)
-            return loss, sum(len(s.response_ids) for s in mb)
-
+        if self._old_logprobs() == "recompute":
+            recomputed = self.recompute_logprobs(micro_batches, num_micro_batches)
+            micro_batches = [(i, [s.with_logprobs(lps) for s, lps in zip(mb, recomputed[i])])
+                             for i, mb in micro_batches]
         self.trainer.model.train()
-        stats = self.trainer.compute_grads(micro_batches, loss_fn, group=group,
-                                           num_micro_batches=num_micro_batches, reduction="sum")
+        stats = self.trainer.compute_grads(micro_batches, self._loss_fn(total_tokens, None),
+                                           num_micro_batches=num_micro_batches)
         t_grads = time.time()
+        self._run_deferred_moments()  # NCCL: see the module docstring
         self._moments_done.wait()  # optimizer moments moved in the background must be here now
         if self._moments_error is not None:
             raise self._moments_error
         t_wait = time.time()
-        stats.update(self.trainer.apply_optimizer(group=group))
+        stats.update(self.trainer.apply_optimizer())
         stats.update(t0=t0, t_grads=t_grads, t_wait=t_wait, t1=time.time(), device=self.device,
                      version=self.trainer.step)
         return stats
 
-    def sync_weights(self, src: int, ranks: Sequence[int], version: int, step: int) -> dict:
-        """Broadcast the full weights from trainer `src` to the rollout devices in `ranks`."""
+    def sync_weights(self, root: int, sync_ranks: Sequence[int], version: int, step: int) -> dict:
+        """Weights of `version` from the trainers to the rollout devices in `sync_ranks`.
+
+        Every trainer takes part (the full weights are gathered parameter by parameter over the
+        training group); the root sends them in buckets over the sync group ({root} + rollout
+        devices); rollout devices load them into their engines in place."""
         self._maybe_fault("weight_sync", step)
         t0 = time.time()
-        group = self.pool.get(ranks)
-        numel = self._numel or sum(int(torch.Size(s).numel()) for _, s in self._model_specs())
-        if self.device == src:
-            broadcast_flat(flatten_params(self.trainer.model), numel=numel, src=src, group=group)
+        specs = self._model_specs()
+        group = self.pool.get(sync_ranks) if self.device in sync_ranks else None
+        if self.trainer is not None:
+            sent = send_weights(self.trainer.full_params(), specs, root=root, group=group,
+                                is_root=self.device == root, device=self.torch_device)
         else:
-            flat = broadcast_flat(None, numel=numel, src=src, group=group)
-            self.engine.set_weights(unflatten(flat, self._model_specs()), version)
-        return {"t0": t0, "t1": time.time(), "bytes": numel * 4, "device": self.device}
+            state, sent = receive_weights(specs, root=root, group=group, device=self.torch_device)
+            self.engine.set_weights(state, version)
+        return {"t0": t0, "t1": time.time(), "bytes": sent, "device": self.device}
 
     # ------------------------------------------------------------------ resize ops
 
-    def reshard_params(self, old_ranks: Sequence[int], new_ranks: Sequence[int], *, with_moments: bool,
-                       scalars: dict | None, step: int, version: int | None = None) -> dict:
-        """Move parameter shards (and the moments too unless they go in the background).
+    def gather_full(self, old_ranks: Sequence[int], keep: Sequence[int], version: int, step: int) -> dict:
+        """Every trainer of `old_ranks` gathers the full weights; the devices in `keep` (those
+        leaving for rollout) hold them for their engine (part of `move_param_shards`)."""
+        self._maybe_fault("resize.reshard", step)
+        t0 = time.time()
+        keeps = self.device in keep
+        if keeps and self.trainer.step != version:
+            raise RuntimeError(f"device {self.device} holds version {self.trainer.step}, not {version}")
+        full = {}
+        for name, t in self.trainer.full_params():  # collective: every old trainer walks it all
+            if keeps:  # only a device leaving for rollout keeps a copy (its engine's first weights)
+                full[name] = t.cpu() if self.torch_device.type == "cpu" else t
+        if keeps:
+            self._full, self._full_version = full, version
+        nbytes = sum(t.numel() * t.element_size() for t in full.values())
+        return {"t0": t0, "t1": time.time(), "bytes_received": nbytes}
 
-        Called on every device in old_ranks | new_ranks. A joining device builds its trainer
-        here around the model its engine handed over; a leaving device keeps its old moment
-        shards until `reshard_moments` has sent them.
-
-        With `version` given, every new trainer's model already holds that version's weights in
-        fp32 (trainers after their step; a joining device got them by the weight sync), so each
-        new parameter shard is cut from the local model and no parameter bytes move at all.
-        Without it, parameter shards move through the staging buffer and a joining device
-        rebuilds its compute weights by `gather_params`.
-        """
+    def reshard_params(self, old_ranks: Sequence[int], new_ranks: Sequence[int], *, scalars: dict,
+                       step: int) -> dict:
+        """Move parameter shards (and the reference weights) from the old training layout to
+        the new one, through the bounded staging buffer, point to point on the world group.
+        Called on every device of old_ranks | new_ranks. A device of the new group builds its
+        new trainer (FSDP over the new group's cached communicator) and receives straight into
+        it; a device keeps its old moment shards until `reshard_moments` has sent them."""
         self._maybe_fault("resize.reshard", step)
         t0 = time.time()
         old_ranks, new_ranks = tuple(sorted(old_ranks)), tuple(sorted(new_ranks))
-        local = version is not None
-        kinds = (() if local else PARAM_KINDS) + (MOMENT_KINDS if with_moments else ())
-        old = None
-        if self.trainer is not None:
-            live = self.trainer.state_shards()
-            old = {k: live[k] for k in kinds}
-            if not with_moments:
-                self._old_moments = {k: live[k] for k in MOMENT_KINDS}
-        if self._numel is None:
-            self._numel = sum(int(torch.Size(s).numel()) for _, s in self._model_specs())
-        new, stats = {}, ReshardStats(bytes_sent=0, bytes_received=0, peak_staging_bytes=0, seconds=0.0,
-                                      num_messages=0)
-        if kinds:
-            new, stats = reshard_flat(old, numel=self._numel, old_ranks=old_ranks, new_ranks=new_ranks,
-                                      rank=self.device, staging_bytes=self.cfg.reshard.staging_bytes,
-                                      kinds=kinds, dtypes={k: torch.float32 for k in kinds})
-        if self.device in new_ranks:
-            if self.trainer is None:  # joining: compute with the model the engine handed over
-                held = self._handover_version
-                model, self._handover = self._handover or build_model(self.cfg.model), None
-                self.trainer = self._new_trainer(model.train(), new_ranks)
-                self.trainer.load_scalars(scalars)
-            else:
-                held = self.trainer.step
-            if local and held != version:
-                raise RuntimeError(f"device {self.device}: its model holds version {held}, not {version}; "
-                                   "parameter shards cannot be cut locally")
-            self.trainer.load_state_shards(new, new_ranks)
-            if local:
-                self.trainer.load_params_from_model()
+        old_layout, new_layout = self._layout(old_ranks), self._layout(new_ranks)
+        kinds = ("param",) + ((REF_KIND,) if self.spec.with_ref else ())
+        old = self.trainer
+        new = self._new_trainer(new_ranks, init=False) if self.device in new_ranks else None
+        stats = move_state(old, new, kinds=kinds, old_layout=old_layout, new_layout=new_layout, rank=self.device,
+                           spec=self.spec, staging_bytes=self.cfg.reshard.staging_bytes, group=None)
+        self._old_moments = {k: old.pieces(k) for k in MOMENT_KINDS} if old is not None else None
+        self._old_layout = old_layout
+        self._moments_done.clear()
+        if old is not None:
+            old.model = old.ref = None  # parameters go now; moments stay until sent
+        self.trainer = new
+        if new is not None:
+            new.load_scalars(scalars)
             self.train_ranks, self.role = new_ranks, "train"
-        if not with_moments and (self.device in old_ranks or self.device in new_ranks):
-            self._moments_done.clear()
+        else:
+            self.train_ranks = ()
+        return {"t0": t0, "t1": time.time(), **stats.to_dict()}
+
+    def _move_moments(self, new_ranks: Sequence[int]) -> dict:
+        t0 = time.time()
+        new_ranks = tuple(sorted(new_ranks))
+        group = self.pool.get(tuple(range(rendezvous.live_world().world_size)), tag=BACKGROUND_TAG)
+        stats = NO_STATS
+        if self._old_moments is not None or self.trainer is not None:
+            stats = move_state(None, self.trainer, kinds=MOMENT_KINDS, old_layout=self._old_layout,
+                               new_layout=self._layout(new_ranks), rank=self.device, spec=self.spec,
+                               staging_bytes=self.cfg.reshard.staging_bytes, group=group,
+                               old_pieces=self._old_moments)
+        self._old_moments = None
         return {"t0": t0, "t1": time.time(), **stats.to_dict()}
 
     @ray.method(concurrency_group="bg")
-    def reshard_moments(self, old_ranks: Sequence[int], new_ranks: Sequence[int], world_ranks: Sequence[int]) -> dict:
-        """Background op: move optimizer moments on the background group, overlapping compute."""
+    def reshard_moments(self, new_ranks: Sequence[int], background: bool = True) -> dict:
+        """Move optimizer moments on the background group (see the module docstring). With
+        NCCL and `background`, the move is left to this worker's main thread: a trainer runs it
+        before its next optimizer step (`train`), a device that left training in `flush_moments`,
+        which the driver calls beside that training step; so two threads never issue NCCL work
+        at once. Without `background` the driver is waiting and no main-thread work runs: it
+        moves now."""
+        if background and self.torch_device.type == "cuda":
+            self._inline_moments = lambda: self._run_moments(new_ranks)
+            return {"t0": time.time(), "t1": time.time(), "deferred": True}
+        return self._run_moments(new_ranks)
+
+    def flush_moments(self) -> dict:
+        """NCCL: a device that left training sends its deferred moment shards (main thread)."""
         t0 = time.time()
+        self._run_deferred_moments()
+        return {"t0": t0, "t1": time.time()}
+
+    def _run_deferred_moments(self) -> None:
+        if self._inline_moments is not None:
+            move, self._inline_moments = self._inline_moments, None
+            move()
+
+    def _run_moments(self, new_ranks: Sequence[int]) -> dict:
         try:
-            group = self.pool.get(world_ranks, tag=BACKGROUND_TAG)
-            new, stats = reshard_flat(self._old_moments, numel=self._numel, old_ranks=old_ranks,
-                                      new_ranks=new_ranks, rank=self.device,
-                                      staging_bytes=self.cfg.reshard.staging_bytes, group=group,
-                                      kinds=MOMENT_KINDS, dtypes={k: torch.float32 for k in MOMENT_KINDS})
-            if self.device in new_ranks:
-                self.trainer.load_state_shards(new)
-            self._old_moments = None
-            return {"t0": t0, "t1": time.time(), **stats.to_dict()}
+            return self._move_moments(new_ranks)
         except BaseException as exc:  # surfaced to the main thread at its optimizer step
             self._moments_error = exc
             raise
         finally:
             self._moments_done.set()
 
-    def leave_train(self, version: int, step: int) -> dict:
-        """Train -> rollout on this device: free training memory, build the engine with the
-        current weights it already holds (no bytes move: the weights are local)."""
+    @ray.method(concurrency_group="bg")
+    def free_train_memory(self) -> dict:
+        """Background op after the moments left: drop what training held on a leaving device."""
+        t0 = time.time()
+        self._moments_done.wait()
+        self._old_moments = None
+        if self.torch_device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"t0": t0, "t1": time.time()}
+
+    def load_weights(self, version: int, step: int) -> dict:
+        """Train -> rollout: the engine starts (or wakes) with the full weights gathered during
+        `move_param_shards`; the training role is gone."""
         self._maybe_fault("resize.switch", step)
         t0 = time.time()
-        model = self.trainer.model
-        self.trainer.release()
-        self.trainer, self.train_ranks = None, ()
-        self.engine = build_rollout_engine(self.cfg.rollout.backend, self.cfg.model, self.cfg.rollout.temperature,
-                                           batch_rows=self.cfg.rollout.batch_rows)
-        if hasattr(self.engine, "adopt_model"):  # the compute model already holds the current weights
-            self.engine.adopt_model(model, version)
-        else:
-            self.engine.set_weights(model.state_dict(), version)
+        if self._full is None or self._full_version != version:
+            raise RuntimeError(f"device {self.device}: no full weights of version {version} to load")
+        state, self._full = self._full, None
+        self.engine = self._new_engine()
+        self.engine.set_weights(state, version)
         self.role = "rollout"
         return {"t0": t0, "t1": time.time()}
 
-    def release_engine(self, step: int) -> dict:
-        """Rollout -> train, first op: release the engine (its caches go; its model object is
-        kept for the trainer to compute with, so no model is built on the critical path).
-        Nothing is in flight at a step boundary, so the drain is empty."""
-        self._maybe_fault("resize.switch", step)
+    def alloc_kv_cache(self) -> dict:
+        """Train -> rollout: the engine's KV cache (what the engine reserves ahead, if anything)."""
         t0 = time.time()
-        if self.engine is not None and hasattr(self.engine, "hand_over_model"):
-            self._handover_version = self.engine.version
-            self._handover = self.engine.hand_over_model()  # the trainer computes with it
-        elif self.engine is not None:
-            self.engine.release()
-        self.engine, self.role = None, "joining"
+        nbytes = self.engine.alloc_kv_cache() if hasattr(self.engine, "alloc_kv_cache") else 0
+        return {"t0": t0, "t1": time.time(), "bytes_received": 0, "kv_cache_bytes": nbytes}
+
+    def drain_requests(self) -> dict:
+        """Rollout -> train: returns once every generate call sent to this worker has ended
+        (methods run one at a time on the main thread, so this call queues behind them)."""
+        t0 = time.time()
         return {"t0": t0, "t1": time.time()}
 
-    def gather_params(self) -> dict:
-        """Every trainer of the new training group rebuilds its full compute params."""
+    def release_engine(self, step: int) -> dict:
+        """Rollout -> train: release the engine's memory (nothing is in flight at a step
+        boundary: the driver drained it)."""
+        self._maybe_fault("resize.switch", step)
         t0 = time.time()
-        group = self.pool.get(self.train_ranks) if len(self.train_ranks) > 1 else None
-        self.trainer.gather_params(group)
+        if self.engine is not None:
+            self.engine.release()
+        self.engine, self.role = None, "joining"
+        if self.torch_device.type == "cuda":
+            torch.cuda.empty_cache()
         return {"t0": t0, "t1": time.time()}
 
     def param_digest(self) -> str:
-        """sha1 of the full compute parameters' bytes: equal digests mean bit-identical weights."""
-        import hashlib
+        """sha1 of the full weights (collective over the training group)."""
+        return self.trainer.digest()
 
-        return hashlib.sha1(flatten_params(self.trainer.model).numpy().tobytes()).hexdigest()
+    def engine_digest(self) -> str:
+        """Digest of the weights the rollout engine serves (compared with the trainers')."""
+        return self.engine.weights_digest([n for n, _ in self._model_specs()])
 
     def trainer_scalars(self) -> dict:
         return self.trainer.scalars()
 
     # ------------------------------------------------------------------ outputs
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        return self.trainer.full_state_dict()
-
-    def save_checkpoint(self, directory: str, extra: dict | None = None) -> dict:
-        group = self.pool.get(self.train_ranks) if len(self.train_ranks) > 1 else None
-        self.trainer.save_checkpoint(directory, group=group, extra=extra)
-        return {"device": self.device}
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full fp32 weights on the host (collective over the training group; every trainer
+        calls it, the first returns them)."""
+        full = {n: t.cpu() for n, t in self.trainer.full_params()}
+        return full if self.trainer.index == 0 else None
 
     def load_checkpoint(self, directory: str, train_ranks: Sequence[int]) -> dict:
-        model = build_model(self.cfg.model).train()
-        self.trainer = self._new_trainer(model, train_ranks)
-        group = self.pool.get(tuple(sorted(train_ranks))) if len(train_ranks) > 1 else None
-        info = self.trainer.load_checkpoint(directory, train_ranks, self.device, group=group)
-        self.train_ranks, self.role, self._numel = tuple(sorted(train_ranks)), "train", self.trainer.numel
+        if self.engine is not None:
+            self.engine.release()
+            self.engine = None
+        self.trainer = self._new_trainer(train_ranks, init=False)
+        info = self.trainer.load_checkpoint(directory)
+        self.train_ranks, self.role = tuple(sorted(train_ranks)), "train"
         return info
 
-    # ------------------------------------------------------------------ faults (issue 5)
+    # ------------------------------------------------------------------ faults
 
     def arm_fault(self, kind: str | None, point: str | None = None, step: int | None = None) -> None:
         """Add a fault to fire at (point, step); `kind` None disarms all (cluster/faults.py)."""

@@ -7,7 +7,8 @@ only once every earlier call on that thread has ended: the driver's proof that a
 no longer inside a collective of the lost world.
 
 Snapshots: after each training step every trainer returns its state shards as task results
-(`snapshot_state`, three returns: a small meta dict, the fp32 parameter shard, the moments).
+(`snapshot_state`, three returns: a small meta dict with its pieces of the layout, its
+parameter pieces, and the other kinds: optimizer moments and reference weights).
 Ray keeps results owned by the driver in the object store of the trainer's node, so they
 outlive the trainer process: survivors restore from them (`restore_train`, reading only the
 ranges they own in the new layout; `restore_rollout`, the full weights of a given version).
@@ -31,18 +32,14 @@ import torch
 
 from dynaresize.cluster.faults import fire
 from dynaresize.comm import rendezvous
-from dynaresize.rl.models import build_model
-from dynaresize.roles.base import build_rollout_engine
-from dynaresize.roles.train_state import OptimSettings
-from dynaresize.roles.train_torch import STATE_KEYS, ShardedTrainer
+from dynaresize.reshard.sources import ShardSource, array_fetch
 from dynaresize.roles.weight_sync import unflatten
 
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
-
-def _writable(a: np.ndarray) -> torch.Tensor:
-    """A torch tensor of a (possibly read-only, object-store backed) array: copied."""
-    return torch.from_numpy(np.array(a, dtype=np.float32, copy=True))
+def _source(metas: Sequence[dict], arrays: Sequence[dict], partial: bool) -> ShardSource:
+    """The state of snapshot shards `metas` (their arrays in the same order) as one source."""
+    return ShardSource([(m["pieces"], array_fetch(a)) for m, a in zip(metas, arrays)], int(metas[0]["numel"]),
+                       "snapshot", partial=partial)
 
 
 class RecoveryMixin:
@@ -78,7 +75,8 @@ class RecoveryMixin:
         self.trainer, self.train_ranks = None, ()
         self._old_moments, self._moments_error = None, None
         self._moments_done.set()
-        self._handover, self._handover_version = None, None  # a resize cut short left it
+        self._inline_moments = None
+        self._full, self._full_version = None, None  # a resize cut short left them
         t1 = time.time()
         rendezvous.init_world(rank=self.device, world_size=world_size, init_method=init_method,
                               backend=self.cfg.cluster.backend, timeout_s=self.cfg.timeouts.collective_s,
@@ -92,54 +90,37 @@ class RecoveryMixin:
         tr = self.trainer
         if tr.step != version:
             raise RuntimeError(f"snapshot of version {version} asked, trainer on device {self.device} is at {tr.step}")
-        shards = tr.state_shards()
-        lo, hi = tr.shard_range()
-        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(tr.settings).items()}
-        meta = {"version": version, "lo": lo, "hi": hi, "index": tr.index, "num_shards": len(tr.ranks),
-                "numel": tr.numel, "scalars": tr.scalars(), "params": tr.param_meta(), "settings": settings}
-        moments = {k: shards[k].detach().clone().numpy() for k in MOMENT_KEYS}
-        return meta, shards["param"].detach().clone().numpy(), moments
+        state = {k: t.numpy() for k, t in tr.export_state().items()}
+        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(tr.spec.optim).items()}
+        meta = {"version": version, "index": tr.index, "pieces": [list(p) for p in tr.local_pieces()],
+                "numel": tr.layout.numel, "layout": tr.layout.describe(), "scalars": tr.scalars(),
+                "params": tr.param_meta(), "settings": settings}
+        param = state.pop("param")
+        return meta, param, state
 
     def restore_train(self, metas: list[dict], train_ranks: Sequence[int], *arrays: Any) -> dict:
         """Become trainer `self.device` of `train_ranks` with the snapshot state of `metas`.
 
-        `arrays` holds, for each meta in order, its parameter array then its moments dict: only
-        the snapshot shards overlapping this rank's new range are passed. Collective over the
-        new training group (the compute parameters are all-gathered from the new shards).
+        `arrays` holds, for each meta in order, its parameter array then its other-kinds dict:
+        only the snapshot shards overlapping this rank's new pieces are passed. Collective over
+        the new training group (FSDP is set up on it).
         """
         t0 = time.time()
         ranks = tuple(sorted(int(r) for r in train_ranks))
         if self.engine is not None:
             self.engine.release()
             self.engine = None
-        settings = OptimSettings.from_config(self.cfg.train)
-        trainer = ShardedTrainer(build_model(self.cfg.model).train(), settings, ranks=ranks, rank=self.device,
-                                 seed=self.cfg.seed)
-        lo, hi = trainer.shard_range()
-        out = {k: torch.empty(hi - lo, dtype=torch.float32) for k in STATE_KEYS}
-        covered = 0
-        for i, meta in enumerate(metas):
-            a, b = max(lo, meta["lo"]), min(hi, meta["hi"])
-            if a >= b:
-                continue
-            pieces = {"param": arrays[2 * i], **arrays[2 * i + 1]}
-            for key in STATE_KEYS:
-                out[key][a - lo:b - lo].copy_(_writable(pieces[key][a - meta["lo"]:b - meta["lo"]]))
-            covered += b - a
-        if covered != hi - lo:
-            raise RuntimeError(f"snapshot covers {covered} of the {hi - lo} elements of device {self.device}")
-        trainer.load_state_shards(out)
-        trainer.load_scalars(metas[0]["scalars"])
-        group = self.pool.get(ranks) if len(ranks) > 1 else None
-        trainer.gather_params(group)
-        self.trainer, self.train_ranks, self.role, self._numel = trainer, ranks, "train", trainer.numel
+        shards = [{"param": arrays[2 * i], **arrays[2 * i + 1]} for i in range(len(metas))]
+        trainer = self._new_trainer(ranks, init=False)
+        trainer.load_state(_source(metas, shards, partial=True), metas[0]["scalars"])
+        self.trainer, self.train_ranks, self.role = trainer, ranks, "train"
         return {"t0": t0, "t1": time.time(), "device": self.device, "version": trainer.step}
 
-    def restore_rollout(self, version: int, *params: np.ndarray) -> dict:
-        """Become a rollout device holding the weights of `version` (parameter shards in order)."""
+    def restore_rollout(self, version: int, metas: list[dict], *params: np.ndarray) -> dict:
+        """Become a rollout device holding the weights of `version` (every shard's parameters)."""
         t0 = time.time()
-        flat = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.float32) for p in params]))
-        self._load_engine(flat, version)
+        source = _source(metas, [{"param": p} for p in params], partial=False)
+        self._load_engine(source.read("param", 0, source.numel, dtype=torch.float32), version)
         return {"t0": t0, "t1": time.time(), "device": self.device, "version": version}
 
     def load_rollout_checkpoint(self, directory: str, version: int) -> dict:
@@ -148,7 +129,7 @@ class RecoveryMixin:
 
         t0 = time.time()
         reader = CheckpointReader(directory)
-        self._load_engine(reader.read("param", 0, reader.manifest["numel"]), version)
+        self._load_engine(reader.read("param", 0, reader.manifest["numel"], dtype=torch.float32), version)
         return {"t0": t0, "t1": time.time(), "device": self.device, "version": version}
 
     def _load_engine(self, flat: torch.Tensor, version: int) -> None:
@@ -156,7 +137,6 @@ class RecoveryMixin:
             self.trainer.release()
             self.trainer, self.train_ranks = None, ()
         if self.engine is None:
-            self.engine = build_rollout_engine(self.cfg.rollout.backend, self.cfg.model, self.cfg.rollout.temperature,
-                                               batch_rows=self.cfg.rollout.batch_rows)
-        self.engine.set_weights(unflatten(flat, self._model_specs()), version)
+            self.engine = self._new_engine()
+        self.engine.set_weights(unflatten(flat.to(self.torch_device), self._model_specs()), version)
         self.role = "rollout"

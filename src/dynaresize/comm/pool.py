@@ -9,7 +9,7 @@ THE POOL'S INVARIANT (callers must keep it): `create` is collective over the who
 Every worker of the world calls `create` for the same rank sets, with the same tags, in the
 same order, including workers that are not members of the set. torch names a group from a
 per-process counter that every `new_group` call advances; if one rank skips or reorders a call,
-names drift and a later group times out (measured: DESIGN.md section 8b;
+names drift and a later group times out (measured;
 `use_local_synchronization=True` was unreliable). The driver keeps it by broadcasting one
 ordered list of rank sets to every worker. Because every rank sees the same sequence, the cache
 holds the same keys on every rank, so a cache hit is skipped consistently everywhere.

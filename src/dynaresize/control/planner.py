@@ -1,4 +1,4 @@
-"""Resize planning: which devices move, and the ops each runs (DESIGN.md section 6).
+"""Resize planning: which devices move, and the ops each runs (docs/resize.md).
 
 A plan is a pure value computed the same way by the simulator and the real runtime, whose
 executor runs the ops by name. The op names below are the contract between this planner, the
@@ -38,14 +38,12 @@ RELEASE_ENGINE_MEMORY = "release_engine_memory"
 JOIN_TRAIN_GROUP = "join_train_group"
 RECEIVE_PARAM_SHARDS = "receive_param_shards"
 RECEIVE_OPTIMIZER_SHARDS = "receive_optimizer_shards"
-WARMUP = "warmup"
 
 TO_ROLLOUT_CRITICAL = (DROP_FROM_TRAIN_GROUP, MOVE_PARAM_SHARDS, LOAD_WEIGHTS, ALLOC_KV_CACHE, ADD_TO_ROUTER)
 TO_ROLLOUT_BACKGROUND = ((MOVE_OPTIMIZER_SHARDS, DROP_FROM_TRAIN_GROUP), (FREE_TRAIN_MEMORY, MOVE_OPTIMIZER_SHARDS),
                          (PREWARM_GROUPS, ADD_TO_ROUTER))
 TO_TRAIN_CRITICAL = (STOP_ROUTING, DRAIN_REQUESTS, RELEASE_ENGINE_MEMORY, JOIN_TRAIN_GROUP, RECEIVE_PARAM_SHARDS)
-TO_TRAIN_BACKGROUND = ((RECEIVE_OPTIMIZER_SHARDS, RECEIVE_PARAM_SHARDS), (WARMUP, RECEIVE_OPTIMIZER_SHARDS),
-                       (PREWARM_GROUPS, RECEIVE_PARAM_SHARDS))
+TO_TRAIN_BACKGROUND = ((RECEIVE_OPTIMIZER_SHARDS, RECEIVE_PARAM_SHARDS), (PREWARM_GROUPS, RECEIVE_PARAM_SHARDS))
 OP_NAMES = frozenset(TO_ROLLOUT_CRITICAL + TO_TRAIN_CRITICAL
                      + tuple(n for n, _ in TO_ROLLOUT_BACKGROUND + TO_TRAIN_BACKGROUND))
 

@@ -1,4 +1,4 @@
-"""Baseline policies, implemented faithfully for an honest comparison (DESIGN.md section 7).
+"""Baseline policies, implemented faithfully for an honest comparison (docs/policies.md).
 
 - `Static(R)`: a fixed split (moves once to R if the run starts elsewhere).
 - `StaticProfiled`: the split that balances the two stages on the first `profile_steps` steps,

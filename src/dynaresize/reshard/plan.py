@@ -1,9 +1,11 @@
 """Transfer plan of a reshard: which element ranges go from which old owner to which new one.
 
-When the training world changes from `old_ranks` to `new_ranks`, every element of every new
-shard (a `FlatLayout` over `new_ranks`) is sent by its single old owner (a `FlatLayout` over
-`old_ranks`). The plan lists those moves as `Transfer`s in chunks of at most `chunk_elems`
-elements, so that a chunk of every moved state kind, packed together, fits the staging bound.
+When the training world changes from an old layout to a new one (reshard/layout.py: any two
+layouts of the same flat vector, e.g. FSDP2's row chunks over `old_ranks` and over
+`new_ranks`), every element of every new piece is sent by its single old owner. The plan lists
+those moves as `Transfer`s in chunks of at most `chunk_elems` elements, so that a chunk of
+every moved state kind, packed together, fits the staging bound. The planner sees only the
+layouts' pieces: a new trainer backend adds a layout, not a planner.
 
 Pure: no torch, no I/O. A plan is a value computed identically on every rank from the same
 arguments; `execute.execute_plan` walks it in this global order.
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from dynaresize.reshard.layout import FlatLayout
+from dynaresize.reshard.layout import FlatLayout, Layout
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,12 @@ def chunk_elems_for(staging_bytes: int, bytes_per_elem_total: int) -> int:
     return staging_bytes // bytes_per_elem_total
 
 
-def _pieces(numel: int, old: FlatLayout, new: FlatLayout) -> list[Transfer]:
-    """Maximal (src, dst) ranges: intersections of new shards with old shards, by ascending lo."""
+def _pieces(old: Layout, new: Layout) -> list[Transfer]:
+    """Maximal (src, dst) ranges: intersections of new pieces with old pieces, by ascending lo."""
     pieces: list[Transfer] = []
-    old_ranges = [o for o in old.owner_ranges() if o[2] > o[1]]
+    old_ranges = list(old.pieces())
     i = 0
-    for dst, nlo, nhi in new.owner_ranges():
+    for dst, nlo, nhi in new.pieces():
         lo = nlo
         while lo < nhi:
             while old_ranges[i][2] <= lo:  # advance to the old shard holding element `lo`
@@ -86,15 +88,22 @@ def transfer_plan(
     *,
     chunk_elems: int,
 ) -> tuple[Transfer, ...]:
-    """The global, deterministic list of chunked transfers that reshards `numel` elements."""
+    """The global, deterministic list of chunked transfers that reshards `numel` elements
+    between flat layouts over `old_ranks` and `new_ranks`."""
+    return layout_plan(FlatLayout(numel, tuple(old_ranks)), FlatLayout(numel, tuple(new_ranks)),
+                       chunk_elems=chunk_elems)
+
+
+def layout_plan(old: Layout, new: Layout, *, chunk_elems: int) -> tuple[Transfer, ...]:
+    """The global, deterministic list of chunked transfers from layout `old` to layout `new`."""
     if not isinstance(chunk_elems, int) or chunk_elems < 1:
         raise ValueError(f"chunk_elems: must be an int >= 1, got {chunk_elems!r}")
-    old = FlatLayout(numel, tuple(old_ranks))
-    new = FlatLayout(numel, tuple(new_ranks))
-    if numel == 0:
+    if old.numel != new.numel:
+        raise ValueError(f"layouts of different vectors: {old.numel} vs {new.numel} elements")
+    if old.numel == 0:
         return ()
     chunked: list[list[Transfer]] = []
-    for p in _pieces(numel, old, new):
+    for p in _pieces(old, new):
         chunked.append(
             [Transfer(p.src, p.dst, lo, min(lo + chunk_elems, p.hi)) for lo in range(p.lo, p.hi, chunk_elems)]
         )

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dynaresize.config import ModelConfig
 
@@ -153,20 +153,28 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def qwen2_config(cfg: ModelConfig) -> Any:
-    """The transformers config of the tiny built-in model (MLP 4x hidden, untied head)."""
+    """The transformers config of the tiny built-in model (MLP 4x hidden; GQA and tied
+    embeddings by default, as in small Qwen2.5 and Llama-3.2 checkpoints)."""
     from transformers import Qwen2Config
 
     specials = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}  # the first ids of build_tokenizer
     return Qwen2Config(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads, max_position_embeddings=4096,
-        # Untied: every parameter is one tensor in state_dict and named_parameters alike, which
-        # keeps flat sharding and weight sync simple.
-        tie_word_embeddings=False,
+        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=4096,
+        tie_word_embeddings=cfg.tie_word_embeddings,
         pad_token_id=specials[PAD], eos_token_id=specials[EOS], bos_token_id=specials[BOS],
         attn_implementation="sdpa",
     )
+
+
+def max_positions(cfg: ModelConfig) -> int:
+    """The longest sequence (prompt + response) the model takes: its max_position_embeddings."""
+    if cfg.path is None:
+        return int(qwen2_config(cfg).max_position_embeddings)
+    from transformers import AutoConfig
+
+    return int(getattr(AutoConfig.from_pretrained(cfg.path), "max_position_embeddings", 1 << 30))
 
 
 def build_model(cfg: ModelConfig) -> "torch.nn.Module":
@@ -196,6 +204,24 @@ def save_hf(model: "torch.nn.Module", tokenizer, out_dir: str | os.PathLike) -> 
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    return out
+
+
+def tied_aliases(model: "torch.nn.Module") -> dict[str, str]:
+    """{state-dict key: the parameter name it shares storage with} for every key that is not
+    itself in `named_parameters()` (a tied `lm_head.weight` -> `model.embed_tokens.weight`)."""
+    canonical = {p.data_ptr(): n for n, p in model.named_parameters()}
+    names = set(canonical.values())
+    return {k: canonical[t.data_ptr()] for k, t in model.state_dict().items()
+            if k not in names and t.data_ptr() in canonical}
+
+
+def complete_state_dict(state: Mapping[str, Any], model: "torch.nn.Module") -> dict[str, Any]:
+    """`state` keyed by parameter name, plus the tied aliases `model.load_state_dict` wants."""
+    out = dict(state)
+    for alias, name in tied_aliases(model).items():
+        if alias not in out and name in out:
+            out[alias] = out[name]
     return out
 
 

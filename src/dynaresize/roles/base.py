@@ -111,8 +111,8 @@ def vllm_model_problem(model_cfg: Any) -> str | None:
 def resolve_engine(cfg: Any) -> str:
     """The rollout engine a run uses: "vllm" or "hf", from `rollout.engine` (auto | vllm | hf).
 
-    `cfg` is a `RunConfig` (what the worker should pass) or a bare `RolloutConfig` (then the
-    model and deterministic mode are unknown, and `auto` means hf: see `RolloutConfig.backend`).
+    `cfg` is a `RunConfig` (what the worker passes) or a bare `RolloutConfig` (then the model
+    and deterministic mode are unknown, and `auto` means hf).
     - hf: the HF transformers engine, always available.
     - vllm: refused with a `ConfigError` (exit 2, one line) where vllm is not installed or
       cannot serve the model (attention head size outside 32-256).
@@ -160,25 +160,3 @@ def rollout_engine_from_config(cfg: Any, **kwargs: Any) -> RolloutEngine:
     from dynaresize.roles.rollout_hf import HFRolloutEngine
 
     return HFRolloutEngine(cfg.model, r.temperature, **{"batch_rows": r.batch_rows, **kwargs})
-
-
-def build_rollout_engine(backend: str, model_cfg, temperature: float, **kwargs: Any) -> RolloutEngine:
-    """Kept for existing callers: the engine named `backend` ("hf", "vllm" or "auto") with
-    default engine settings. New code calls `rollout_engine_from_config(cfg)`, which also
-    applies the `rollout.vllm_*` settings. `batch_rows` is an hf setting; vllm ignores it."""
-    from dynaresize.errors import UserError
-
-    if backend == "auto":
-        backend = "hf" if vllm_model_problem(model_cfg) or vllm_import_error() else "vllm"
-    if backend == "hf":
-        from dynaresize.roles.rollout_hf import HFRolloutEngine
-
-        return HFRolloutEngine(model_cfg, temperature, **kwargs)
-    if backend == "vllm":
-        from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
-
-        if not vllm_installed():
-            raise UserError("rollout.engine='vllm': the vllm package is not installed (`make setup`)")
-        kwargs.pop("batch_rows", None)
-        return VLLMRolloutEngine(model_cfg, temperature, **kwargs)
-    raise UserError(f"rollout.engine={backend!r}: not available (available: {', '.join(ENGINES)}, auto)")

@@ -1,11 +1,13 @@
 """Trainer checkpoints: one safetensors file per saved shard plus a JSON manifest written last.
 
 Format (`FORMAT`): a checkpoint directory holds
-- `shard-IIIII-of-WWWWW-sSTEP-NONCE.safetensors`, one per training rank at save time, with the
-  1-D fp32 tensors `param`, `exp_avg`, `exp_avg_sq` of that rank's flat range [lo, hi);
-- `manifest.json`: format, numel, parameter order (name, shape, offset), the saved rank set,
-  each shard's file name, range, byte size and sha256, the replicated scalars (step counts,
-  seed, RNG state), the optimizer settings and caller `extra` fields.
+- `shard-IIIII-of-WWWWW-sSTEP-NONCE.safetensors`, one per training rank at save time, with one
+  1-D tensor per state kind (`param`, `exp_avg`, `exp_avg_sq`, optionally `ref`; fp32, or fp64
+  from a deterministic run) holding that rank's pieces of the layout, concatenated;
+- `manifest.json`: format, numel, parameter order (name, shape, offset), the layout saved
+  (reshard/layout.py `describe()`), each shard's file name, pieces (global ranges), byte size
+  and sha256, the replicated scalars (step counts, seed, RNG state), the optimizer settings and
+  caller `extra` fields.
 
 Invariants:
 - Atomic: every file is written to a temporary name, fsynced and renamed; the manifest is
@@ -14,11 +16,11 @@ Invariants:
   never a manifest that points at a missing or half-written shard. Saving into a directory
   that already holds a checkpoint replaces it atomically; files the new manifest does not
   name are deleted after it is in place.
-- Reshard on load: a reader asks for any flat range [lo, hi) of a tensor; the pieces come from
-  whichever saved shards overlap it, reading only those byte ranges (safetensors slices), so a
-  checkpoint saved at W ranks loads at any W'.
+- Reshard on load: a reader asks for any flat range [lo, hi) of a kind; the parts come from
+  whichever saved pieces overlap it (reshard/sources.py), reading only those byte ranges
+  (safetensors slices), so a checkpoint saved at W ranks in one layout loads at any W'.
 - Every problem (missing manifest or shard, wrong size, sha256 mismatch, unreadable header,
-  ranges that do not tile [0, numel)) raises `CheckpointError` with a one-line message.
+  pieces that do not tile [0, numel)) raises `CheckpointError` with a one-line message.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dynaresize.errors import CheckpointError
+from dynaresize.reshard.sources import ShardSource, check_tiling
 
-FORMAT = "dynaresize.flat-shards.v1"
+FORMAT = "dynaresize.shards.v2"
 MANIFEST = "manifest.json"
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 _HASH_CHUNK_BYTES = 8 << 20
@@ -64,25 +67,28 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_shard(directory: str | Path, *, shard_index: int, num_shards: int, lo: int, hi: int,
+def save_shard(directory: str | Path, *, shard_index: int, num_shards: int, pieces: Sequence[Sequence[int]],
                tensors: Mapping[str, torch.Tensor], step: int) -> dict:
-    """Write one rank's shard atomically; return the manifest entry for it (pickles, JSON-safe)."""
+    """Write one rank's shard atomically (`tensors`: kind -> its `pieces` concatenated); return
+    the manifest entry for it (pickles, JSON-safe)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     name = f"shard-{shard_index:05d}-of-{num_shards:05d}-s{step}-{uuid.uuid4().hex[:8]}.safetensors"
     tmp = directory / f".{name}.tmp"
-    cpu = {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in tensors.items()}
+    pieces = [[int(lo), int(hi)] for lo, hi in pieces]
+    size = sum(hi - lo for lo, hi in pieces)
+    cpu = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
     for key, t in cpu.items():
-        if t.dim() != 1 or t.numel() != hi - lo:
-            raise ValueError(f"shard tensor {key} has shape {tuple(t.shape)}, expected ({hi - lo},)")
-    save_file(cpu, str(tmp), metadata={"format": FORMAT, "lo": str(lo), "hi": str(hi)})
+        if t.dim() != 1 or t.numel() != size or t.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"shard tensor {key} has shape {tuple(t.shape)} {t.dtype}, expected ({size},) fp32/fp64")
+    save_file(cpu, str(tmp), metadata={"format": FORMAT, "pieces": json.dumps(pieces)})
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
     sha = file_sha256(tmp)
-    size = tmp.stat().st_size
+    nbytes = tmp.stat().st_size
     os.replace(tmp, directory / name)
     _fsync_dir(directory)
-    return {"file": name, "index": shard_index, "lo": lo, "hi": hi, "bytes": size, "sha256": sha}
+    return {"file": name, "index": shard_index, "pieces": pieces, "bytes": nbytes, "sha256": sha}
 
 
 def encode_scalars(scalars: Mapping[str, Any]) -> dict:
@@ -101,8 +107,9 @@ def decode_scalars(scalars: Mapping[str, Any]) -> dict:
 
 def write_manifest(directory: str | Path, *, infos: Sequence[Mapping[str, Any]], numel: int,
                    params: Sequence[Mapping[str, Any]], ranks: Sequence[int], scalars: Mapping[str, Any],
-                   settings: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> Path:
-    """Write `manifest.json` last (tmp + rename), after checking the shards tile [0, numel)."""
+                   settings: Mapping[str, Any], layout: Mapping[str, Any] | None = None,
+                   extra: Mapping[str, Any] | None = None) -> Path:
+    """Write `manifest.json` last (tmp + rename), after checking the pieces tile [0, numel)."""
     directory = Path(directory)
     shards = sorted((dict(i) for i in infos), key=lambda i: i["index"])
     _check_tiling(directory, shards, numel)
@@ -113,6 +120,7 @@ def write_manifest(directory: str | Path, *, infos: Sequence[Mapping[str, Any]],
     manifest = {
         "format": FORMAT, "numel": numel, "step": int(scalars.get("step", 0)), "world": len(ranks),
         "ranks": list(ranks), "params": [dict(p) for p in params], "shards": shards,
+        "layout": dict(layout) if layout is not None else None,
         "scalars": encode_scalars(scalars), "settings": dict(settings), "extra": dict(extra or {}),
     }
     tmp = directory / f".{MANIFEST}.{uuid.uuid4().hex[:8]}.tmp"
@@ -131,13 +139,12 @@ def write_manifest(directory: str | Path, *, infos: Sequence[Mapping[str, Any]],
 
 
 def _check_tiling(directory: Path, shards: list[dict], numel: int) -> None:
-    pos = 0
-    for info in shards:
-        if info.get("lo") != pos or not isinstance(info.get("hi"), int) or info["hi"] < pos:
-            raise CheckpointError(f"checkpoint {directory}: shard ranges do not tile [0, {numel}) at {pos}")
-        pos = info["hi"]
-    if pos != numel:
-        raise CheckpointError(f"checkpoint {directory}: shard ranges end at {pos}, expected {numel}")
+    try:
+        pieces = [(int(lo), int(hi)) for info in shards for lo, hi in info["pieces"]]
+        check_tiling(pieces, numel, f"checkpoint {directory}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(str(exc).splitlines()[0] if isinstance(exc, ValueError) else
+                              f"checkpoint {directory}: malformed shard pieces") from None
 
 
 def read_manifest(directory: str | Path) -> dict:
@@ -173,7 +180,9 @@ class CheckpointReader:
         self.manifest = read_manifest(self.directory)
         self.verify = verify
         self._checked: set[str] = set()
-        self._shards = sorted(self.manifest["shards"], key=lambda i: i["lo"])
+        shards = sorted(self.manifest["shards"], key=lambda i: i["index"])
+        self._source = ShardSource([(info["pieces"], self._fetcher(info)) for info in shards],
+                                   int(self.manifest["numel"]), f"checkpoint {self.directory}")
 
     def _check_file(self, info: dict) -> Path:
         path = self.directory / info["file"]
@@ -190,23 +199,26 @@ class CheckpointReader:
         self._checked.add(info["file"])
         return path
 
-    def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """The fp32 values [lo, hi) of flat tensor `key`, assembled from the overlapping shards."""
-        if not 0 <= lo <= hi <= self.manifest["numel"]:
-            raise ValueError(f"range [{lo}, {hi}) outside [0, {self.manifest['numel']})")
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        for info in self._shards:
-            a, b = max(lo, info["lo"]), min(hi, info["hi"])
-            if a >= b:
-                continue
+    def _fetcher(self, info: dict):
+        def fetch(key: str, a: int, b: int) -> torch.Tensor:
             path = self._check_file(info)
             try:
                 with safe_open(str(path), framework="pt") as fh:
-                    piece = fh.get_slice(key)[a - info["lo"]:b - info["lo"]]
+                    piece = fh.get_slice(key)[a:b]
             except Exception as exc:  # safetensors raises several types on a bad header or key
                 raise CheckpointError(f"checkpoint {self.directory}: shard {info['file']} unreadable "
                                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") from None
-            if piece.dtype != torch.float32 or piece.numel() != b - a:
+            if piece.dtype not in (torch.float32, torch.float64) or piece.numel() != b - a:
                 raise CheckpointError(f"checkpoint {self.directory}: shard {info['file']} tensor {key} malformed")
-            out[a - lo:b - lo].copy_(piece)
-        return out
+            return piece
+
+        return fetch
+
+    @property
+    def source(self) -> ShardSource:
+        return self._source
+
+    def read(self, key: str, lo: int, hi: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The values [lo, hi) of flat tensor `key` (saved dtype, or cast to `dtype`),
+        assembled from the overlapping shards."""
+        return self._source.read(key, lo, hi, dtype=dtype)

@@ -35,13 +35,13 @@ from __future__ import annotations
 import gc
 import inspect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from dynaresize.config import ModelConfig
-from dynaresize.rl.models import build_model
+from dynaresize.rl.models import build_model, complete_state_dict
 from dynaresize.roles.base import GenRequest, GenResult
 
 
@@ -69,12 +69,13 @@ class HFRolloutEngine:
         return self._model is not None
 
     def set_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Load `state_dict` (all parameters, strictly) and tag later results with `version`."""
+        """Load `state_dict` (every parameter, by `named_parameters` name: a tied weight once,
+        its aliases filled in here) strictly, and tag later results with `version`."""
         if self._model is None:
             self._load_model()
         assert self._model is not None
         with torch.no_grad():
-            self._model.load_state_dict(dict(state_dict), strict=True)
+            self._model.load_state_dict(complete_state_dict(state_dict, self._model), strict=True)
         self.version = int(version)
 
     def release(self) -> None:
@@ -84,21 +85,15 @@ class HFRolloutEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def adopt_model(self, model: torch.nn.Module, version: int) -> None:
-        """Serve an existing model object as is (no copy, no init): a device switching from
-        training hands its compute model, which already holds the current weights, to the
-        engine, so building the engine costs nothing on the resize's critical path."""
-        self._install(model.to(self.device))
-        self.version = int(version)
+    def weights_digest(self, names: Iterable[str] | None = None) -> str:
+        """`weight_sync.weights_digest` of the weights this engine serves (`names`, or every
+        parameter), read from the model it computes with."""
+        from dynaresize.roles.weight_sync import weights_digest
 
-    def hand_over_model(self) -> torch.nn.Module:
-        """Give the model object away (to a trainer on this device) and become released."""
         if self._model is None:
-            raise RuntimeError("rollout engine is released: no model to hand over")
-        model, self._model = self._model, None
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
+            raise RuntimeError("rollout engine is released: no weights to digest")
+        params = dict(self._model.named_parameters())
+        return weights_digest((n, params[n]) for n in (params if names is None else names))
 
     def _load_model(self) -> None:
         self._install(build_model(self.model_cfg).to(self.device))

@@ -60,24 +60,13 @@ _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 def state_dict_digest(state_dict: Mapping[str, Any], names: Iterable[str] | None = None,
                       dtype: torch.dtype = torch.float32) -> str:
-    """sha256 over (name, shape, bytes) of each named tensor, in name order, cast to `dtype`.
+    """`roles.weight_sync.weights_digest` of the named tensors of `state_dict` (all by default).
 
     The engine's `weights_digest` computes the same from the weights it actually computes
-    with, so equal digests mean the engine holds exactly these weights. -0.0 counts as 0.0
-    (an engine's read-back cannot tell them apart).
-    """
-    h = hashlib.sha256()
-    for name in sorted(state_dict if names is None else names):
-        _digest_update(h, name, state_dict[name], dtype)
-    return h.hexdigest()
+    with, so equal digests mean the engine holds exactly these weights."""
+    from dynaresize.roles.weight_sync import weights_digest
 
-
-def _digest_update(h: Any, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    t = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-    if t.is_floating_point():
-        t = t + 0  # -0.0 -> +0.0
-    h.update(f"{name}\0{tuple(t.shape)}\0".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return weights_digest(((n, state_dict[n]) for n in (state_dict if names is None else names)), dtype)
 
 
 def weight_groups(names: Iterable[str]) -> list[list[str]]:

@@ -41,7 +41,6 @@ class OptimSettings:
     warmup_steps: int = 0
     total_steps: int = 0  # decay horizon for linear/cosine
     min_lr_ratio: float = 0.0
-    seed_micro_batches: bool = True  # seed the RNG per (seed, step, micro-batch index)
 
     def __post_init__(self) -> None:
         bad = []

@@ -14,7 +14,7 @@ Stage models (used by `sim.engine`):
   (2N of 6N, i.e. +1/3; REFERENCES 2.4 measures 0.25-0.5x of the update), divided over the
   training devices at `mfu_train`, plus a fixed exposed communication time per step.
 - Weight sync: alpha + bytes per receiver / BW_eff (3.2).
-- Resize ops: the op names of DESIGN.md section 6 (shared with the runtime executor through
+- Resize ops: the planner's op names (control/planner.py) (shared with the runtime executor through
   `control.planner`); each has a duration and a byte count here.
 
 Pure: no I/O, no clock.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from dynaresize.errors import ConfigError
 
@@ -171,8 +172,42 @@ COMM_REUSE_S = 0.05  # switch to a cached, warm communicator (3.1: reuse/split <
 GROUP_PREWARM_S = 0.15  # create one group off the critical path (3.1: ncclCommSplit 0.15 s)
 ROUTER_S = 0.01  # [A] a control-plane message
 DRAIN_AT_BOUNDARY_S = 0.05  # at a step boundary no request is in flight [A]
-WARMUP_S = 0.5  # [A] first micro-batch of a new trainer (allocator, kernels)
 FREE_TRAIN_MEMORY_S = 0.1  # [A]
+
+
+def _shard_cost(state: str, layout: str):
+    """A transfer of a shard of `state` (fp32 master weights or Adam m and v): it leaves from
+    the old layout's share (moving out) or lands in the new one's (joining), on the NIC."""
+    def cost(model: ModelPreset, n_old: int, n_new: int, hw: Hardware) -> tuple[float, float]:
+        total = (4.0 if state == "master" else 8.0) * model.num_params
+        b = total / (n_old if layout == "old" else n_new)
+        return b / hw.nic_bw, b
+    return cost
+
+
+def _fixed(seconds: Callable[[ModelPreset], float]):
+    return lambda model, n_old, n_new, hw: (seconds(model), 0.0)
+
+
+# (seconds, bytes) of each op the planner names, on one moving device: exactly the names of
+# control.planner.OP_NAMES (a test checks both directions).
+OP_COSTS: dict[str, Callable[[ModelPreset, int, int, Hardware], tuple[float, float]]] = {
+    "drop_from_train_group": _fixed(lambda m: COMM_REUSE_S),
+    "join_train_group": _fixed(lambda m: COMM_REUSE_S),
+    "move_param_shards": _shard_cost("master", "old"),
+    "receive_param_shards": _shard_cost("master", "new"),
+    "move_optimizer_shards": _shard_cost("moments", "old"),
+    "receive_optimizer_shards": _shard_cost("moments", "new"),
+    # Wake a sleeping engine; full weights ride the regular post-step weight sync (3.3).
+    "load_weights": _fixed(lambda m: m.engine_wake_s),
+    "alloc_kv_cache": _fixed(lambda m: m.kv_alloc_s),
+    "add_to_router": _fixed(lambda m: ROUTER_S),
+    "stop_routing": _fixed(lambda m: ROUTER_S),
+    "drain_requests": _fixed(lambda m: DRAIN_AT_BOUNDARY_S),
+    "release_engine_memory": _fixed(lambda m: m.engine_release_s),
+    "free_train_memory": _fixed(lambda m: FREE_TRAIN_MEMORY_S),
+    "prewarm_groups": _fixed(lambda m: GROUP_PREWARM_S * 2),  # the two most likely next splits
+}
 
 
 def op_cost(name: str, model: ModelPreset, *, num_train_before: int, num_train_after: int,
@@ -183,35 +218,9 @@ def op_cost(name: str, model: ModelPreset, *, num_train_before: int, num_train_a
     device sends its shard (fp32 master weights are critical, the Adam moments background); a
     joining device receives its new share. Transfers use the device's own NIC (47 GB/s).
     """
-    master = 4.0 * model.num_params  # fp32 master weights
-    moments = 8.0 * model.num_params  # Adam m and v
-    n_old, n_new = max(num_train_before, 1), max(num_train_after, 1)
-    if name == "drop_from_train_group" or name == "join_train_group":
-        return COMM_REUSE_S, 0.0
-    # A shard leaves from the old layout's share (moving out) or lands in the new one's (joining).
-    shard_bytes = {"move_param_shards": master / n_old, "receive_param_shards": master / n_new,
-                   "move_optimizer_shards": moments / n_old, "receive_optimizer_shards": moments / n_new}
-    if name in shard_bytes:
-        b = shard_bytes[name]
-        return b / hw.nic_bw, b
-    if name == "load_weights":
-        # Wake a sleeping engine; full weights ride the regular post-step weight sync (3.3).
-        return model.engine_wake_s, 0.0
-    if name == "alloc_kv_cache":
-        return model.kv_alloc_s, 0.0
-    if name == "add_to_router" or name == "stop_routing":
-        return ROUTER_S, 0.0
-    if name == "drain_requests":
-        return DRAIN_AT_BOUNDARY_S, 0.0
-    if name == "release_engine_memory":
-        return model.engine_release_s, 0.0
-    if name == "free_train_memory":
-        return FREE_TRAIN_MEMORY_S, 0.0
-    if name == "warmup":
-        return WARMUP_S, 0.0
-    if name == "prewarm_groups":
-        return GROUP_PREWARM_S * 2, 0.0  # the two most likely next splits
-    raise ValueError(f"unknown op {name!r}")
+    if name not in OP_COSTS:
+        raise ValueError(f"unknown op {name!r}")
+    return OP_COSTS[name](model, max(num_train_before, 1), max(num_train_after, 1), hw)
 
 
 @dataclass(frozen=True, kw_only=True)

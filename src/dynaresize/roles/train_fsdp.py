@@ -1,0 +1,448 @@
+"""The training role on one rank: trainer state sharded by torch FSDP2 (`fully_shard`, DTensor).
+
+Sharding: every decoder block (the model's `_no_split_modules`) and then the root are wrapped
+with `fully_shard` on a device mesh made from the run's cached training communicator, so each
+trainable parameter is a DTensor sharded on dim 0 (`reshard.layout.RowChunkLayout`): a rank
+holds `ceil(rows / W)` rows of each parameter, and the bytes of parameters, gradients and
+AdamW moments it holds fall as 1/W. Compute parameters are all-gathered per block for forward
+and backward and freed after (FSDP's own schedule). The moments are this class's own tensors,
+one per local parameter shard, updated by the elementwise AdamW of `train_state`.
+
+Precision (`TrainerSpec`): master weights, gradients, moments and reductions fp32; compute in
+`compute_dtype` (fp32 or bf16, FSDP's MixedPrecisionPolicy). Deterministic mode keeps master
+weights, gradients, moments and the gradient reduction in fp64 (compute stays fp32), which is
+what makes a step's result independent of W (below); it doubles the state's bytes.
+
+One step (`compute_grads`, then `apply_optimizer`, split so that optimizer moments may arrive
+in the background while forward and backward run): micro-batch i of M goes to rank position
+i mod W; the step runs ceil(M / W) rounds, each rank doing one micro-batch per round (a rank
+without one runs a zero-weighted dummy through the same modules, so every collective of FSDP
+matches); each round's backward reduce-scatters the gradient as a SUM (divide factor 1).
+
+Why a deterministic step does not depend on W: a micro-batch's fp32 gradient depends only on
+the micro-batch and the weights; FSDP casts it to fp64 before the reduce-scatter and
+accumulates the sharded gradient in fp64, where a sum of fp32 values is exact unless their
+exponents span more than ~29 bits, so every grouping of the same M terms gives the same value;
+the global norm is rounded to fp32 before it scales the gradient; AdamW is elementwise. Tested
+bitwise for W = 1, 2, 3, 4 (tests/dist/test_trainer.py).
+
+Checkpoint and reshard view: the state of kind k (`param`, `exp_avg`, `exp_avg_sq`, and `ref`
+when a frozen reference model is held) is the list of this rank's local shards, flattened
+(`pieces(k)`, live views), laid out as `layout`.
+
+The frozen reference policy (KL) is a second FSDP module built the same way (no gradients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dynaresize.config import ModelConfig
+from dynaresize.reshard.layout import RowChunkLayout
+from dynaresize.roles.train_state import OptimSettings, adamw_update_, mix_seed
+
+MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
+STATE_KINDS = ("param", *MOMENT_KINDS)
+REF_KIND = "ref"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Mapping[str, float]]]
+_STAT_NAMES = ("loss_sum", "num_tokens", "entropy_sum", "kl_sum", "clipped_tokens", "micro_batches")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSpec:
+    """What every trainer of a run agrees on."""
+
+    model: ModelConfig
+    optim: OptimSettings
+    compute_dtype: str = "fp32"  # fp32 | bf16
+    deterministic: bool = False
+    activation_checkpointing: bool = False
+    with_ref: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in DTYPES:
+            raise ValueError(f"compute_dtype {self.compute_dtype!r}: must be fp32 or bf16")
+        if self.deterministic and self.compute_dtype != "fp32":
+            raise ValueError("deterministic mode needs compute_dtype fp32")
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return torch.float64 if self.deterministic else torch.float32
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "TrainerSpec":
+        """The spec of a run (`config.RunConfig`): schedule over the run's steps."""
+        t = cfg.train
+        optim = OptimSettings.from_config(t, schedule=t.lr_schedule, total_steps=cfg.steps)
+        return cls(model=cfg.model, optim=optim, compute_dtype=t.dtype, deterministic=cfg.deterministic,
+                   activation_checkpointing=t.activation_checkpointing, with_ref=t.kl_coef > 0, seed=cfg.seed)
+
+    def kinds(self) -> tuple[str, ...]:
+        """State kinds a trainer holds (the reshard moves all of them)."""
+        return STATE_KINDS + ((REF_KIND,) if self.with_ref else ())
+
+    def dtype_of(self, kind: str) -> torch.dtype:
+        return torch.float32 if kind == REF_KIND else self.master_dtype
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Build a module with its parameters on the meta device and its buffers real (rotary
+    tables and the like are computed at construction and must survive `to_empty`)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def empty_model(model_cfg: ModelConfig) -> nn.Module:
+    """The policy's module with parameters on meta (no weights read or initialised)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dynaresize.rl.models import qwen2_config
+
+    hf_cfg = AutoConfig.from_pretrained(model_cfg.path) if model_cfg.path else qwen2_config(model_cfg)
+    hf_cfg._attn_implementation = "sdpa"
+    with _params_on_meta():
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    return model
+
+
+def param_shapes(model_cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """Shapes of the trainable parameters in flattening order (tied weights once)."""
+    return [tuple(p.shape) for p in empty_model(model_cfg).parameters()]
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules wrapped one FSDP unit each: the classes HF names as not to be split."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+class FSDPTrainer:
+    """Trainer state of one training rank (see the module docstring)."""
+
+    def __init__(self, spec: TrainerSpec, *, ranks: Sequence[int], rank: int, group: Any,
+                 device: torch.device | str = "cpu", init_model: nn.Module | None = None) -> None:
+        """`init_model`: a full model holding the initial weights (every trainer passes the same);
+        None: the state is left uninitialised, to be filled by `pieces` (a reshard or restore)."""
+        self.spec = spec
+        self.ranks = tuple(sorted(int(r) for r in ranks))
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} not in training ranks {self.ranks}")
+        self.rank, self.index = int(rank), self.ranks.index(rank)
+        self.group = group
+        self.device = torch.device(device)
+        self.step = 0  # optimizer steps applied
+        self.lr_step = 0  # schedule position
+        self.generator = torch.Generator().manual_seed(spec.seed)  # replicated; checkpointed
+        ref_init = None
+        if spec.with_ref and init_model is not None:
+            import copy
+
+            ref_init = copy.deepcopy(init_model)
+        self.model = self._shard(init_model, trainable=True)
+        self.ref = self._shard(ref_init, trainable=False) if spec.with_ref else None
+        named = list(self.model.named_parameters())
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.layout = RowChunkLayout.of_shapes([tuple(p.shape) for p in self.params], self.ranks)
+        dt = spec.master_dtype
+        # A trainer filled by a reshard or restore gets its moments written over: allocating
+        # without zeroing keeps building it (on a resize's critical path) cheap.
+        alloc = torch.zeros_like if init_model is not None else torch.empty_like
+        self.moments = {k: [alloc(p.to_local(), dtype=dt) for p in self.params] for k in MOMENT_KINDS}
+        self.pending: set[str] = set() if init_model is not None else set(spec.kinds())
+        self._grad_coef: float | None = None
+        self.last_state_bytes = self.state_bytes()
+
+    # ------------------------------------------------------------------ construction
+
+    def _shard(self, full: nn.Module | None, *, trainable: bool) -> nn.Module:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        spec = self.spec
+        model = full if full is not None else empty_model(spec.model)
+        dtype = spec.master_dtype if trainable else torch.float32
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        for p in model.parameters():  # a tied weight is one Parameter: cast once, stays tied
+            p.data = p.data.to(dtype)
+            p.requires_grad_(trainable)
+        if trainable and spec.activation_checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[spec.compute_dtype],
+                                      reduce_dtype=torch.float64 if spec.deterministic else torch.float32)
+        mesh = DeviceMesh.from_group(self.group, device_type=self.device.type)
+        for block in _blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        if full is None:
+            model.to_empty(device=self.device)
+            with torch.no_grad():
+                for name, buf in model.named_buffers():
+                    buf.copy_(buffers[name])
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)  # a SUM: the loss already divides by the step's tokens
+                m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        return model.train(trainable)
+
+    # ------------------------------------------------------------------ state view
+
+    def pieces(self, kind: str) -> list[torch.Tensor]:
+        """This rank's flattened local shards of `kind` (live views), one per parameter."""
+        if kind == "param":
+            return [p.to_local().detach().view(-1) for p in self.params]
+        if kind in MOMENT_KINDS:
+            return [t.view(-1) for t in self.moments[kind]]
+        if kind == REF_KIND and self.ref is not None:
+            return [p.to_local().detach().view(-1) for p in self.ref.parameters()]
+        raise ValueError(f"unknown state kind {kind!r}; this trainer holds {self.spec.kinds()}")
+
+    def mark_loaded(self, kinds: Sequence[str]) -> None:
+        """The caller filled `pieces(k)` for `kinds` (a reshard or a restore)."""
+        self.pending.difference_update(kinds)
+
+    def local_pieces(self) -> tuple[tuple[int, int], ...]:
+        """The global ranges of the flat state this rank holds (its `pieces(k)`, in order)."""
+        return self.layout.rank_pieces(self.rank)
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """Host copies of every kind's local pieces, concatenated (a snapshot's arrays)."""
+        if self.pending:
+            raise RuntimeError(f"state of rank {self.rank} not loaded yet: {sorted(self.pending)}")
+        out = {}
+        for kind in self.spec.kinds():
+            parts = [t.detach().to("cpu", copy=True) for t in self.pieces(kind) if t.numel()]
+            out[kind] = torch.cat(parts) if parts else torch.empty(0, dtype=self.spec.dtype_of(kind))
+        return out
+
+    def load_state(self, source: Any, scalars: Mapping[str, Any]) -> None:
+        """Fill every kind from `source` (a `reshard.sources.ShardSource` over saved shards of
+        any layout), reading only this rank's ranges; then the replicated scalars."""
+        from dynaresize.reshard.sources import fill_pieces
+
+        fill_pieces({k: self.pieces(k) for k in self.spec.kinds()}, self.local_pieces(), source)
+        self.mark_loaded(self.spec.kinds())
+        self.load_scalars(scalars)
+
+    def param_meta(self) -> list[dict]:
+        """(name, shape, offset) of every trainable parameter in flattening order."""
+        out, off = [], 0
+        for name, p in zip(self.names, self.params):
+            out.append({"name": name, "shape": list(p.shape), "offset": off})
+            off += p.numel()
+        return out
+
+    def load_checkpoint(self, directory: str) -> dict:
+        """Load a trainer checkpoint saved at any number of ranks (roles/checkpoint.py)."""
+        from dynaresize.errors import CheckpointError
+        from dynaresize.roles.checkpoint import CheckpointReader, decode_scalars
+
+        reader = CheckpointReader(directory)
+        m = reader.manifest
+        if [(p["name"], list(p["shape"])) for p in m["params"]] != [(p["name"], p["shape"]) for p in self.param_meta()]:
+            raise CheckpointError(f"checkpoint {directory}: its parameters do not match this model")
+        self.load_state(reader.source, decode_scalars(m["scalars"]))
+        return {"step": self.step, "device": self.rank}
+
+    def state_bytes(self) -> int:
+        """Bytes of parameters, gradients, moments and reference weights this rank holds,
+        measured from the tensors' storages (FSDP's padding included; shared storage once)."""
+        seen: dict[int, int] = {}
+        tensors = [p.to_local() for p in self.params] + [t for k in MOMENT_KINDS for t in self.moments[k]]
+        tensors += [p.grad.to_local() for p in self.params if p.grad is not None]
+        if self.ref is not None:
+            tensors += [p.to_local() for p in self.ref.parameters()]
+        for t in tensors:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return sum(seen.values())
+
+    def scalars(self) -> dict:
+        return {"step": self.step, "lr_step": self.lr_step, "seed": self.spec.seed,
+                "rng_state": bytes(self.generator.get_state().tolist())}
+
+    def load_scalars(self, scalars: Mapping[str, Any]) -> None:
+        self.step, self.lr_step = int(scalars["step"]), int(scalars["lr_step"])
+        if int(scalars.get("seed", self.spec.seed)) != self.spec.seed:
+            raise ValueError(f"state of seed {scalars['seed']} loaded into a trainer of seed {self.spec.seed}")
+        if scalars.get("rng_state") is not None:
+            self.generator.set_state(torch.frombuffer(bytearray(scalars["rng_state"]), dtype=torch.uint8))
+
+    def release(self) -> None:
+        """Drop every tensor this trainer holds (the device leaves the train role)."""
+        self.model = self.ref = None
+        self.params, self.moments = [], {k: [] for k in MOMENT_KINDS}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ full weights
+
+    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full fp32 weight) of every trainable parameter in order. Collective over the
+        training group: every trainer must consume the whole iterator, in step."""
+        for name, p in zip(self.names, self.params):
+            yield name, p.full_tensor().detach().to(torch.float32)
+
+    def digest(self) -> str:
+        """`weight_sync.weights_digest` of the full fp32 weights (collective over the group)."""
+        from dynaresize.roles.weight_sync import weights_digest
+
+        return weights_digest(self.full_params())
+
+    # ------------------------------------------------------------------ one step
+
+    @contextlib.contextmanager
+    def _rng(self, index: int) -> Iterator[None]:
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(mix_seed(self.spec.seed, self.step, index))
+            yield
+
+    def compute_grads(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn, *,
+                      num_micro_batches: int) -> dict:
+        """Forward/backward of this rank's micro-batches (index i mod W == position) and the
+        reduce-scatter of their summed gradient; `loss_fn(model, mb)` returns (loss, stats
+        sums) and takes mb None for the zero-weighted dummy. Collective over the group."""
+        w, m = len(self.ranks), num_micro_batches
+        local = dict(micro_batches)
+        expected = set(range(self.index, m, w))
+        if set(local) != expected:
+            raise ValueError(f"rank position {self.index} of {w} got micro-batches {sorted(local)}, "
+                             f"expected {sorted(expected)}")
+        for p in self.params:
+            p.grad = None
+        sums = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
+        t0 = time.perf_counter()
+        for r in range(math.ceil(m / w)):
+            i = r * w + self.index
+            with self._rng(i):
+                loss, stats = loss_fn(self.model, local.get(i))
+                loss.backward()
+            if i < m:
+                for j, name in enumerate(_STAT_NAMES[:-1]):
+                    sums[j] += float(stats.get(name, 0.0))
+                sums[-1] += 1.0
+        self._reshard_roots()
+        t1 = time.perf_counter()
+        self.last_state_bytes = self.state_bytes()  # the peak: gradients and moments both held
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for p in self.params:
+            if p.grad is not None:
+                sq += p.grad.to_local().double().pow(2).sum()
+        both = torch.cat([sums.to(self.device), sq])
+        if w > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.group)
+        t2 = time.perf_counter()
+        totals = dict(zip(_STAT_NAMES, both[:-1].tolist()))
+        if int(totals["micro_batches"]) != m:
+            raise RuntimeError(f"{int(totals['micro_batches'])} micro-batches computed over the group, expected {m}")
+        norm = math.sqrt(float(both[-1]))
+        if self.spec.deterministic:  # fp64 partial sums differ by W in the last bits; fp32 does not
+            norm = float(torch.tensor(norm, dtype=torch.float32))
+        clip = 1.0
+        if self.spec.optim.max_grad_norm > 0:
+            clip = min(1.0, self.spec.optim.max_grad_norm / (norm + 1e-6))
+        self._grad_coef = clip
+        tokens = max(1.0, totals["num_tokens"])
+        return {"loss": totals["loss_sum"], "grad_norm": norm, "clip_coef": clip,
+                "entropy": totals["entropy_sum"] / tokens, "kl": totals["kl_sum"] / tokens,
+                "clip_frac": totals["clipped_tokens"] / tokens, "num_tokens": int(totals["num_tokens"]),
+                "num_micro_batches": m, "num_local_micro_batches": len(local),
+                "fwd_bwd_s": t1 - t0, "reduce_s": t2 - t1, "train_state_bytes": self.last_state_bytes}
+
+    def apply_optimizer(self) -> dict:
+        """AdamW on this rank's shards from the reduced gradient (clipped by the global norm)."""
+        if self._grad_coef is None:
+            raise RuntimeError("apply_optimizer called without a reduced gradient (call compute_grads first)")
+        if self.pending:
+            raise RuntimeError(f"state not loaded on rank {self.rank}: {sorted(self.pending)}")
+        o = self.spec.optim
+        lr = o.lr_at(self.lr_step)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                local = p.to_local()
+                if local.numel() == 0:
+                    continue
+                grad = p.grad.to_local() if p.grad is not None else torch.zeros_like(local)
+                if self._grad_coef != 1.0:
+                    grad = grad * self._grad_coef
+                adamw_update_(local, self.moments["exp_avg"][i], self.moments["exp_avg_sq"][i], grad,
+                              step=self.step + 1, lr=lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps,
+                              weight_decay=o.weight_decay)
+        for p in self.params:
+            p.grad = None
+        self.step += 1
+        self.lr_step += 1
+        self._grad_coef = None
+        return {"lr": lr, "optim_s": time.perf_counter() - t0}
+
+    def forward_rounds(self, micro_batches: Sequence[tuple[int, Any]], num_micro_batches: int,
+                       fn: Callable[[nn.Module, Any], Any]) -> dict[int, Any]:
+        """`fn(model, mb)` without gradients on this rank's micro-batches, in the same rounds as
+        `compute_grads` (mb None: a dummy, so every rank runs FSDP's all-gathers in step).
+        Collective over the group. Returns {micro-batch index: fn's result}."""
+        w = len(self.ranks)
+        local = dict(micro_batches)
+        out: dict[int, Any] = {}
+        with torch.no_grad():
+            for r in range(math.ceil(num_micro_batches / w)):
+                i = r * w + self.index
+                res = fn(self.model, local.get(i))
+                if i in local:
+                    out[i] = res
+        self._reshard_roots()
+        return out
+
+    def _reshard_roots(self) -> None:
+        """FSDP2 keeps a root module's parameters gathered after forward (for the backward that
+        usually follows); after no-grad forwards (the reference model, recomputed log-probs)
+        nothing frees them, so free them here: the state view is the sharded one."""
+        for m in (self.model, self.ref):
+            if m is not None:
+                m.reshard()
+
+
+def move_state(old: FSDPTrainer | None, new: FSDPTrainer | None, *, kinds: Sequence[str], old_layout: Any,
+               new_layout: Any, rank: int, spec: TrainerSpec, staging_bytes: int, group: Any = None,
+               old_pieces: Mapping[str, Sequence[torch.Tensor]] | None = None) -> Any:
+    """Move `kinds` of trainer state from `old`'s shards to `new`'s, through the bounded staging
+    buffer (reshard.execute), writing straight into `new`'s storage. Called on every rank of
+    either layout; `old_pieces` overrides `old.pieces` (moments kept after the old trainer went).
+    Returns the `ReshardStats`."""
+    from dynaresize.reshard.execute import reshard
+
+    src = {k: old_pieces[k] for k in kinds} if old_pieces is not None else (
+        {k: old.pieces(k) for k in kinds} if old is not None else None)
+    out = {k: new.pieces(k) for k in kinds} if new is not None else None
+    device = new.device if new is not None else (old.device if old is not None else None)
+    _, stats = reshard(src, old_layout=old_layout, new_layout=new_layout, rank=rank, staging_bytes=staging_bytes,
+                       out=out, group=group, kinds=kinds, dtypes={k: spec.dtype_of(k) for k in kinds}, device=device)
+    if new is not None:
+        new.mark_loaded(kinds)
+    return stats

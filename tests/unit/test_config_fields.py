@@ -1,0 +1,806 @@
+"""No accepted-but-ignored config (issue 8 item 5): every leaf field of `RunConfig` changes
+behaviour, or is refused with a clear error where this build does not support it.
+
+`EVIDENCE` maps every field path (as `_paths` walks `RunConfig`, like test_docs_config.py) to
+one or more pieces of evidence; a field without an entry fails `test_every_field_has_evidence`,
+so a new field must come with its proof. Kinds of evidence:
+
+- `Probe(alt, fn, base)`: `fn(cfg)` is an observable computed by the product code that
+  consumes the field (the job's requests and scores, the runtime's controller, the trainer's
+  own step functions, the rollout engine, the watchdog, the cluster start, ...). The test
+  builds the default config (preset `default` + the tiny model below + `base`) and the same
+  with the field set to `alt`, and asserts the observable differs, after checking it is
+  reproducible (the default built twice gives the same observable, so a difference is the
+  field's, not noise).
+- `Refused(value, fragment, via)`: building the config (or, with `via`, the consumer that
+  meets the field first) raises a `UserError` (ConfigError and friends) whose message holds
+  `fragment`, which names the field, for a value this build does not support.
+- `Runtime(test, asserts)`: an existing test elsewhere (most run the real runtime on Ray
+  workers) that asserts the field's effect; here only its existence is checked (parsed with
+  `ast`, no import). Every field also has a probe or a refusal; these say where the live
+  effect is checked too.
+
+Fields that could be proven neither way would go in `UNPROVEN` (with a reason), and
+`test_unproven_is_exactly_known` pins that set, so it cannot grow silently.
+
+Runtime-only fields are probed through their pure consumers: `Cluster.start` with Ray's entry
+points replaced by recorders (cluster.address/backend/cpus_per_device/torch_threads), the
+watchdog's verdicts with a Ray stand-in that never answers (timeouts.*), the `Checkpointer`'s
+periodic rule, the tracker factory `open_sinks`, `reshard` with `dist.send` recorded, the
+resize executor's moment handler with a fake cluster, and one training step of
+`FSDPTrainer.compute_grads` + `apply_optimizer` run unbound on a single-rank stand-in for the
+FSDP state (no process group), with the worker's own loss function.
+
+Pure: no Ray, no process group, no network. Tiny model (hidden 32, one layer, vocab 600).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import ast
+import atexit
+import dataclasses
+import functools
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+from unittest import mock
+
+import pytest
+import torch
+
+from dynaresize.config import RunConfig, build_config, merge
+from dynaresize.errors import DynaresizeError, UserError
+from dynaresize.presets import preset
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = {"model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "vocab_size": 600}}
+
+
+# ---------------------------------------------------------------- the walk
+
+
+def _paths(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _paths(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+class Lazy:
+    """A value made when a test needs it (a file the alternative value names)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+
+    def __repr__(self) -> str:
+        return f"Lazy({self.make.__name__})"
+
+
+def _resolve(value: Any) -> Any:
+    if isinstance(value, Lazy):
+        return value.make()
+    if isinstance(value, dict):
+        return {k: _resolve(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class Probe:
+    alt: Any  # the alternative value (a Lazy: made on use)
+    fn: Callable[[RunConfig], Any]  # observable computed by the field's consumer
+    base: dict = field(default_factory=dict)  # context applied to both sides (the mode the field belongs to)
+
+
+@dataclass(frozen=True)
+class Refused:
+    value: Any
+    fragment: str  # in the error message; names the field
+    via: Callable[[RunConfig], Any] | None = None  # None: build_config refuses
+    base: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    test: str  # tests/...py::function
+    asserts: str  # what it asserts about the field
+
+
+def _nested(path: str, value: Any) -> dict:
+    out: Any = value
+    for part in reversed(path.split(".")):
+        out = {part: out}
+    return out
+
+
+def _data(*layers: dict) -> dict:
+    data = merge(preset("default"), TINY)
+    for layer in layers:
+        data = merge(data, _resolve(layer))
+    return data
+
+
+def _get(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().to(torch.float64).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- files some values name
+
+
+@functools.lru_cache(maxsize=None)
+def _files() -> Path:
+    """A prompt file, reward plug-ins and an HF model folder (with a chat template)."""
+    from dynaresize.config import ModelConfig
+    from dynaresize.rl.models import build_model, build_tokenizer, save_hf
+
+    d = Path(tempfile.mkdtemp(prefix="dynaresize-fields-"))
+    atexit.register(shutil.rmtree, d, True)
+    (d / "prompts.jsonl").write_text("".join(
+        json.dumps({"prompt": f"say words that start with {c} please", "letter": c}) + "\n" for c in "dkmst"))
+    (d / "rewards.py").write_text(
+        "def length_reward(prompt, response, fields):\n    return float(len(response))\n\n"
+        "def broken_reward(prompt, response, fields):\n    raise RuntimeError('broken on purpose')\n")
+    tok = build_tokenizer(600)
+    tok.chat_template = ("{% for m in messages %}<bos>{{ m['role'] }} : {{ m['content'] }}<eos>{% endfor %}"
+                         "{% if add_generation_prompt %}<bos>assistant :{% endif %}")
+    save_hf(build_model(ModelConfig(hidden_size=48, num_layers=1, num_heads=2, num_kv_heads=2, vocab_size=600,
+                                    init_seed=7)), tok, d / "hf")
+    return d
+
+
+HF_DIR = Lazy(lambda: str(_files() / "hf"))
+PROMPTS_FILE = Lazy(lambda: str(_files() / "prompts.jsonl"))
+LENGTH_REWARD = Lazy(lambda: f"{_files() / 'rewards.py'}:length_reward")
+BROKEN_REWARD = Lazy(lambda: f"{_files() / 'rewards.py'}:broken_reward")
+
+
+# ---------------------------------------------------------------- probes: the job (driver side)
+
+
+def _requests(cfg: RunConfig) -> list:
+    """`Job.requests(0)`: prompt ids, max_new_tokens, seeds, forced lengths of step 0."""
+    from dynaresize.job import Job
+
+    return [[(r.sample_id, tuple(r.prompt_ids), r.max_new_tokens, r.seed, r.forced_length) for r in g]
+            for g in Job(cfg).requests(0)]
+
+
+def _scores(cfg: RunConfig) -> Any:
+    """`Job.score` of step 0 on fixed responses: rewards (via the ledger), advantages; or the
+    error it stops with."""
+    from dynaresize.job import Job
+    from dynaresize.ledger import Ledger
+    from dynaresize.roles.base import GenResult
+
+    job = Job(cfg)
+    words = [" bako bemi", " the word", " kuta", " bote bado bemi"]
+    results = []
+    for g in job.requests(0):
+        for r in g:
+            ids = job.tokenizer(words[r.sample_id[2] % len(words)])["input_ids"]
+            results.append((0, GenResult(sample_id=r.sample_id, response_ids=list(ids), logprobs=[-1.0] * len(ids),
+                                         version=0, duration_s=0.0)))
+    ledger = Ledger(staleness=cfg.train.staleness)
+    try:
+        scored = job.score(0, results, ledger)
+    except DynaresizeError as exc:
+        return type(exc).__name__, str(exc)
+    return ([(sid, e.reward, e.reward_error) for sid, e in sorted(ledger.entries.items())],
+            [round(s.advantage, 9) for s in scored.samples])
+
+
+# ---------------------------------------------------------------- probes: the controller
+
+
+# Rollout work (device-seconds) of each step: drifting levels with jitter (fixed numbers, found
+# by a search), so the default hysteresis policy moves both ways and each of its settings changes
+# some decision. A change to the policy's internals may need a new sequence (or other alternative
+# values): a probe that sees no change fails, it never passes silently.
+ROLLOUT_WORK = [34.51, 10.65, 12.08, 11.15, 10.68, 10.3, 10.96, 17.3, 17.11, 17.07, 16.45, 17.83, 16.07, 16.55,
+                17.89, 17.35, 16.31, 17.37, 17.29, 15.72, 16.07, 17.24, 15.99, 15.91, 16.52, 15.01, 15.62, 18.0,
+                15.58, 17.41]
+POLICY_BASE = {"cluster": {"devices": 6, "rollout_devices": 2}}
+
+
+def _decisions(cfg: RunConfig) -> list:
+    """The runtime's own controller (`Run._controller`: bounds, `make_policy`, initial split)
+    fed a fixed sequence of step reports (times from ROLLOUT_WORK at the current split, the
+    measured cost of each move reported after it); its commands, as a trace."""
+    from dynaresize.control.controller import decision_fields
+    from dynaresize.control.state import Refusal
+    from dynaresize.runtime import Run
+    from dynaresize.types import ResizePlan, StepReport
+
+    run = Run.__new__(Run)
+    run.cfg = cfg
+    ctl, assignment = run._controller({})
+    out: list = [assignment.roles]
+    crit, now = None, 0.0
+    for k in range(min(cfg.steps, len(ROLLOUT_WORK))):
+        r = ctl.assignment.num_rollout
+        n = ctl.assignment.num_devices - r
+        roll, train = 0.5 + ROLLOUT_WORK[k] / r, 0.2 + 12.0 / n
+        now += max(roll, train) + 0.1
+        report = StepReport(step=k, now_s=now, num_rollout=r, num_train=n, rollout_s=roll, train_s=train, sync_s=0.1,
+                            rollout_floor_s=0.5, resize_critical_s=crit)
+        crit = None
+        for cmd in ctl.on_report(report):
+            if isinstance(cmd, ResizePlan):
+                ctl.on_resize_done(cmd.resize_id, 0.3, 0.5)
+                crit = 0.3
+                out.append((k, "move", cmd.dst.num_rollout))
+            elif isinstance(cmd, Refusal):
+                out.append((k, "refused", cmd.requested_rollout))
+        if decision_fields(ctl)["action"] == "suppressed":
+            out.append((k, "suppressed"))
+    return out
+
+
+# ---------------------------------------------------------------- probes: the trainer
+
+
+class _LocalShard:
+    """One parameter seen as FSDP2's DTensor on a single rank (`to_local()` is the whole
+    tensor), so `FSDPTrainer`'s own step code runs unbound without a process group."""
+
+    def __init__(self, p: torch.nn.Parameter) -> None:
+        self.p = p
+
+    def to_local(self) -> torch.Tensor:
+        return self.p
+
+    @property
+    def grad(self) -> Any:
+        g = self.p.grad
+        return None if g is None else SimpleNamespace(to_local=lambda: g)
+
+    @grad.setter
+    def grad(self, value: Any) -> None:
+        self.p.grad = value
+
+
+def _train_samples(cfg: RunConfig) -> list:
+    from dynaresize.rl import grpo
+
+    out = []
+    for i in range(8):
+        resp = [(37 * i + 11 * j) % (cfg.model.vocab_size - 10) + 4 for j in range(6)]
+        out.append(grpo.TrainSample(sample_id=(0, i // 4, i % 4), prompt_ids=[2, 5 + i, 6, 7], response_ids=resp,
+                                    rollout_logprobs=[-3.0] * len(resp), advantage=1.0 if i % 3 else -1.5))
+    return out
+
+
+def _train_steps(cfg: RunConfig, steps: int = 2) -> list:
+    """Two optimizer steps of `FSDPTrainer.compute_grads` + `apply_optimizer` (unbound, on a
+    single-rank stand-in) with `TrainerSpec.from_config(cfg)` and the worker's own loss
+    function (`DeviceWorker._loss_fn`: clip_eps, kl_coef, kl_estimator, temperature); the
+    reference model held iff the spec says so. Returns each step's stats and the weights."""
+    from dynaresize.cluster.worker import DeviceWorker
+    from dynaresize.rl import grpo
+    from dynaresize.rl.models import build_model
+    from dynaresize.roles.train_fsdp import MOMENT_KINDS, FSDPTrainer, TrainerSpec
+
+    spec = TrainerSpec.from_config(cfg)
+    model = build_model(cfg.model).train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    ref = build_model(cfg.model) if spec.with_ref else None
+    params = list(model.parameters())
+    fake = SimpleNamespace(spec=spec, ranks=(0,), index=0, rank=0, device=torch.device("cpu"), step=0, lr_step=0,
+                           model=model, ref=ref, params=[_LocalShard(p) for p in params], pending=set(),
+                           moments={k: [torch.zeros_like(p) for p in params] for k in MOMENT_KINDS},
+                           _grad_coef=None, group=None)
+    fake._rng = lambda i: FSDPTrainer._rng(fake, i)
+    fake._reshard_roots = lambda: None
+    fake.state_bytes = lambda: 0
+    worker = DeviceWorker.__new__(DeviceWorker)
+    worker.cfg, worker.trainer = cfg, fake
+    samples = _train_samples(cfg)
+    mbs = grpo.micro_batches(samples, cfg.train.micro_batch_size)
+    total = grpo.total_response_tokens(samples)
+    out: list = []
+    for _ in range(steps):
+        stats = FSDPTrainer.compute_grads(fake, list(enumerate(mbs)), worker._loss_fn(total, None),
+                                          num_micro_batches=len(mbs))
+        stats.update(FSDPTrainer.apply_optimizer(fake))
+        out.append({k: stats[k] for k in ("loss", "grad_norm", "clip_coef", "entropy", "kl", "clip_frac",
+                                          "num_micro_batches", "lr")})
+    out.append(_digest(*params))
+    return out
+
+
+class _Mesh:
+    @staticmethod
+    def from_group(group: Any, device_type: str) -> None:
+        return None
+
+
+def _sharded(cfg: RunConfig) -> tuple:
+    """`FSDPTrainer._shard` (unbound; `fully_shard` and the device mesh recorded instead of
+    run): master weight dtype, FSDP's mixed-precision policy, activation checkpointing."""
+    import torch.distributed.fsdp as fsdp
+
+    from dynaresize.rl.models import build_model
+    from dynaresize.roles.train_fsdp import FSDPTrainer, TrainerSpec
+
+    policies: list = []
+
+    def fully_shard(module: Any, *, mesh: Any, mp_policy: Any) -> Any:
+        policies.append((mp_policy.param_dtype, mp_policy.reduce_dtype))
+        return module
+
+    fake = SimpleNamespace(spec=TrainerSpec.from_config(cfg), group=None, device=torch.device("cpu"))
+    with mock.patch.object(fsdp, "fully_shard", fully_shard), \
+            mock.patch("torch.distributed.device_mesh.DeviceMesh", _Mesh):
+        model = FSDPTrainer._shard(fake, build_model(cfg.model), trainable=True)
+    on = "is_activation_checkpointing"
+    if not hasattr(type(model), on):  # transformers 4.x
+        on = "is_gradient_checkpointing"
+    return next(model.parameters()).dtype, sorted(set(map(str, policies))), getattr(model, on)
+
+
+def _behaviour_logprobs(cfg: RunConfig) -> tuple:
+    """`DeviceWorker._old_logprobs()` (where the PPO ratio's behaviour log-probs come from)
+    and the compute dtype of the spec."""
+    from dynaresize.cluster.worker import DeviceWorker
+    from dynaresize.roles.train_fsdp import TrainerSpec
+
+    worker = DeviceWorker.__new__(DeviceWorker)
+    worker.cfg = cfg
+    return worker._old_logprobs(), TrainerSpec.from_config(cfg).compute_dtype
+
+
+# ---------------------------------------------------------------- probes: the rollout engine
+
+
+def _generated(cfg: RunConfig) -> tuple:
+    """The worker's engine (`DeviceWorker._new_engine`) with the initial weights: its batches
+    for 8 requests and the tokens and log-probs it samples."""
+    from dynaresize.cluster.worker import DeviceWorker
+    from dynaresize.rl.models import build_model
+    from dynaresize.roles.base import GenRequest
+
+    worker = DeviceWorker.__new__(DeviceWorker)
+    worker.cfg, worker.torch_device = cfg, torch.device("cpu")
+    engine = worker._new_engine()
+    engine.set_weights(build_model(cfg.model).state_dict(), 0)
+    reqs = [GenRequest(sample_id=(0, i // 2, i % 2), prompt_ids=[2, 5, 6, 7], max_new_tokens=4, seed=100 + i)
+            for i in range(8)]
+    res = engine.generate(reqs)
+    return engine._batches(reqs), [(tuple(r.response_ids), tuple(r.logprobs)) for r in res]
+
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+VLLM_MODEL = {"model": {"hidden_size": 64, "num_heads": 2, "num_kv_heads": 1}}  # head size 32: vLLM's minimum
+
+
+def _engine_class(cfg: RunConfig) -> str:
+    """The class of the engine the worker builds (`DeviceWorker._new_engine`)."""
+    return type(_new_engine(cfg)).__name__
+
+
+def _vllm_kwargs(cfg: RunConfig) -> dict:
+    """The `vllm.LLM` arguments `roles.base.rollout_engine_from_config` gives a vLLM engine
+    (built, not started: no vllm import), for a run whose engine resolved to vllm."""
+    from unittest import mock
+
+    from dynaresize.roles import base
+
+    with mock.patch.object(base, "resolve_engine", lambda c: "vllm"):
+        return base.rollout_engine_from_config(cfg).engine_kwargs()
+
+
+def _new_engine(cfg: RunConfig) -> Any:
+    from dynaresize.cluster.worker import DeviceWorker
+
+    worker = DeviceWorker.__new__(DeviceWorker)
+    worker.cfg, worker.torch_device = cfg, torch.device("cpu")
+    return worker._new_engine()
+
+
+# ---------------------------------------------------------------- probes: the model
+
+
+def _model(cfg: RunConfig) -> tuple:
+    """`build_model` + `load_tokenizer`: parameter names and shapes, logits on a fixed input,
+    tokenizer size."""
+    from dynaresize.rl.models import build_model, load_tokenizer
+
+    model = build_model(cfg.model)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[2, 5, 6, 7]])).logits
+    return ([(n, tuple(p.shape)) for n, p in model.named_parameters()], _digest(logits),
+            len(load_tokenizer(cfg.model)))
+
+
+# ---------------------------------------------------------------- probes: the cluster (driver side)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _cluster_start(cfg: RunConfig) -> dict:
+    """`Cluster.start` with Ray's entry points recorded: what it asks `ray.init`, the placement
+    group and the actor options (resources, environment) for."""
+    import ray
+
+    from dynaresize.cluster import cluster as cl
+    from dynaresize.types import Assignment
+
+    calls: dict = {}
+
+    class Actor:
+        def options(self, **kw: Any) -> Any:
+            calls["actor"] = {k: v for k, v in kw.items() if k != "scheduling_strategy"}
+            raise _Stop
+
+    def placement(n: int, **kw: Any) -> Any:
+        calls["placement_group"] = (n, kw)
+        return SimpleNamespace(bundle_count=n, id=None)
+
+    c = cl.Cluster(cfg)
+    with mock.patch.object(ray, "is_initialized", lambda: False), \
+            mock.patch.object(ray, "init", lambda **kw: calls.setdefault("ray.init", kw)), \
+            mock.patch.object(cl, "make_placement_group", placement), \
+            mock.patch.object(cl, "remote_worker_class", Actor):
+        try:
+            c.start(Assignment.split(cfg.cluster.devices, cfg.cluster.rollout_devices))
+        except _Stop:
+            pass
+        finally:
+            c._started_ray, c._pg = False, None
+            c.stop()
+    return calls
+
+
+class _SilentRay:
+    """Ray as the watchdog sees it when no call and no ping ever answers."""
+
+    exceptions = SimpleNamespace(RayActorError=type("RayActorError", (Exception,), {}))
+
+    @staticmethod
+    def wait(refs: list, num_returns: int = 1, timeout: float | None = None) -> tuple[list, list]:
+        return [], list(refs)
+
+
+def _watchdog(cfg: RunConfig) -> list:
+    """The verdicts of the cluster's watchdog (built by `Cluster(cfg)`) on a call to one
+    worker that never returns: a started worker silent for 700 s, a worker busy for 1000 s."""
+    from dynaresize.cluster import cluster as cl
+    from dynaresize.cluster import watchdog as wd
+
+    c = cl.Cluster(cfg)
+    c.stop()
+    dog = c.watchdog
+    dog.ping = lambda rank: object()
+    out = []
+    with mock.patch.object(wd, "ray", _SilentRay):
+        for seen, age in ((True, 700.0), (False, 1000.0)):
+            dog.lost.clear()
+            dog.seen = {0} if seen else set()
+            tracker = dog.tracker("probe")
+            tracker.t_start = time.time() - age
+            _, lost = tracker.poll({object(): 0})
+            why = lost.get(0, "alive")
+            out.append("stopped" if why.startswith("no answer") else "deadline" if why.startswith("no result")
+                       else why)
+    return out
+
+
+def _faults(cfg: RunConfig) -> tuple:
+    """The cluster's fault injector (`Cluster(cfg).faults`): which device it tells to fire when
+    the run reaches training step 2 on devices that do not include it, and what stays unfired."""
+    from dynaresize.cluster import cluster as cl
+
+    c = cl.Cluster(cfg)
+    c.stop()
+    told: list = []
+    worker = SimpleNamespace(fault_now=SimpleNamespace(remote=lambda kind: told.append(kind)))
+    c.faults.reach("train", 2, participants=[], worker_of=lambda d: told.append(d) or worker, alive=lambda d: True)
+    return told, c.faults.unfired()
+
+
+def _checkpoints(cfg: RunConfig) -> list:
+    """The boundaries `Checkpointer.periodic` saves at over the run (saves recorded)."""
+    from dynaresize.checkpointing import Checkpointer
+
+    saved: list = []
+
+    class Recording(Checkpointer):
+        def save(self, boundary: int, kind: str, **kw: Any) -> None:
+            saved.append((boundary, kind))
+
+    ck = Recording(SimpleNamespace(cfg=cfg, out=Path("/nonexistent-run-dir")))
+    for boundary in range(1, cfg.steps + 1):
+        ck.periodic(boundary)
+    return saved
+
+
+def _sinks(cfg: RunConfig) -> list:
+    """The tracker sinks `open_sinks(cfg.logging.backends, run_dir)` opens."""
+    from dynaresize.tracking import open_sinks
+
+    d = Path(tempfile.mkdtemp(prefix="dynaresize-sinks-"))
+    try:
+        sinks = open_sinks(cfg.logging.backends, d)
+        names = [type(s).__name__ for s in sinks]
+        for s in sinks:
+            s.close()
+        return names
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _staleness(cfg: RunConfig) -> tuple:
+    """The weights version generating each step (`rollout_version`, as the runtime calls it)
+    and the ledger's verdict (`Ledger(staleness=...)`) on a sample of step 1 made by version 0."""
+    from dynaresize.ledger import Ledger
+    from dynaresize.stepstate import rollout_version
+
+    ledger = Ledger(staleness=cfg.train.staleness)
+    ledger.expect(1, [(1, 0, 0)])
+    ledger.generated(sample_id=(1, 0, 0), version=0, device=0, num_tokens=3, token_sha1="x", seed=1)
+    ledger.consumed((1, 0, 0), 1)
+    return [rollout_version(k, cfg.train.staleness) for k in range(4)], ledger.check()
+
+
+def _reshard(cfg: RunConfig) -> tuple:
+    """`reshard` of a trainer's param and moments from 1 to 2 ranks, as rank 0 runs it with
+    `staging_bytes=cfg.reshard.staging_bytes` (the worker's call); messages recorded."""
+    from dynaresize.reshard import execute
+    from dynaresize.reshard.layout import FlatLayout
+
+    sent: list = []
+    fake_dist = SimpleNamespace(send=lambda t, dst, group=None: sent.append(t.numel()), recv=None)
+    state = {k: torch.arange(4096, dtype=torch.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
+    with mock.patch.object(execute, "dist", fake_dist):
+        _, stats = execute.reshard(state, old_layout=FlatLayout(4096, (0,)), new_layout=FlatLayout(4096, (0, 1)),
+                                   rank=0, staging_bytes=cfg.reshard.staging_bytes)
+    return sent, stats.peak_staging_bytes
+
+
+def _moments(cfg: RunConfig) -> tuple:
+    """The resize executor's optimizer-moment handler (`resize_ops.HANDLERS`) on the run's
+    `Cluster(cfg)` (its worker calls recorded), with `background_moments=
+    cfg.reshard.background_moments` (the runtime's call): the ops it waited for on the
+    critical path and those it started in the background."""
+    from dynaresize.cluster import resize_ops
+    from dynaresize.cluster.cluster import Cluster, ResizeOutcome
+    from dynaresize.control import planner
+    from dynaresize.types import Assignment
+
+    class Worker:
+        def __getattr__(self, method: str) -> Any:
+            return SimpleNamespace(remote=lambda *a, **kw: method)
+
+    cluster = Cluster(cfg)
+    cluster.stop()
+    cluster.workers = [Worker() for _ in range(cfg.cluster.devices)]
+    cluster.wait = lambda calls, where, deadline_s=None: [{"t0": 0.0, "t1": 1.0} for _ in calls]
+    plan = planner.plan_resize(resize_id=0, step=1, src=Assignment.split(cfg.cluster.devices, 2), target_rollout=1)
+    ctx = resize_ops.ResizeContext(cluster=cluster, plan=plan, version=1, step=1,
+                                   background_moments=cfg.reshard.background_moments,
+                                   out=ResizeOutcome(plan=plan, t_decide=0.0))
+    resize_ops.HANDLERS[planner.RECEIVE_OPTIMIZER_SHARDS](ctx)
+    return ([(o["name"], o["device"], o["critical"]) for o in ctx.out.ops],
+            [(name, d) for name, d, _ in ctx.out.background])
+
+
+def _job(cfg: RunConfig) -> Any:
+    from dynaresize.job import Job
+
+    return Job(cfg)
+
+
+# ---------------------------------------------------------------- the table
+
+OTHER_BACKEND = "gloo" if torch.cuda.is_available() else "nccl"  # the one `auto` does not pick here
+
+EVIDENCE: dict[str, tuple] = {
+    "steps": (Probe(10, _train_steps, base={"train": {"lr_schedule": "linear"}}),),
+    "seed": (Probe(7, _requests),),
+    "deterministic": (Probe(True, _sharded),
+                      Runtime("tests/e2e/test_run.py::test_deterministic_run_with_resizes_equals_static_run",
+                              "with deterministic=true a run with resizes equals the static run (tokens, weights)")),
+    "faults": (Probe(["kill:1@train:2"], _faults),
+               Runtime("tests/e2e/test_faults.py::"
+                       "test_trainer_killed_mid_step_recovers_and_equals_the_uninterrupted_run",
+                       "the configured fault fires: one fault record with that kind, point and device, then recovery")),
+    "cluster.devices": (Probe(6, _decisions),),
+    "cluster.rollout_devices": (Probe(1, _decisions),),
+    "cluster.address": (Probe("ray://10.0.0.1:10001", _cluster_start),),
+    "cluster.backend": (Probe(OTHER_BACKEND, _cluster_start),),
+    "cluster.cpus_per_device": (Probe(2.0, _cluster_start),),
+    "cluster.torch_threads": (Probe(2, _cluster_start),),
+    "model.path": (Probe(HF_DIR, _model),),
+    "model.hidden_size": (Probe(64, _model),),
+    "model.num_layers": (Probe(2, _model),),
+    "model.num_heads": (Probe(4, _model),),
+    "model.num_kv_heads": (Probe(2, _model),),
+    "model.tie_word_embeddings": (Probe(False, _model),),
+    "model.vocab_size": (Probe(700, _model),),
+    "model.init_seed": (Probe(3, _model),),
+    "task.name": (Probe("toy-count:bk", _requests),),
+    "task.prompts_file": (Probe(PROMPTS_FILE, _requests,
+                                base={"task": {"reward": "dynaresize.rl.tasks:toy_count_reward"}}),),
+    "task.reward": (Probe(LENGTH_REWARD, _scores),),
+    "task.on_reward_error": (Probe("zero", _scores, base={"task": {"reward": BROKEN_REWARD}}),),
+    "task.chat_template": (Probe(True, _requests, base={"model": {"path": HF_DIR}}),
+                           Refused(True, "task.chat_template=True", via=_job),
+                           Runtime("tests/e2e/test_user_model.py::"
+                                   "test_prompts_use_the_folder_chat_template_and_are_truncated",
+                                   "with a user folder the prompt ids open with its user turn and end with the "
+                                   "assistant turn")),
+    "rollout.engine": ((Probe("vllm", _engine_class),) if HAVE_VLLM
+                       else (Refused("vllm", "rollout.engine='vllm': the vllm package is not installed"),))
+                      + (Probe("hf", _engine_class, base={"deterministic": False}) if HAVE_VLLM
+                         else Refused("sglang", "rollout.engine='sglang': must be one of"),),
+    "rollout.vllm_max_num_seqs": (Probe(5, _vllm_kwargs, base=VLLM_MODEL),),
+    "rollout.vllm_max_model_len": (Probe(300, _vllm_kwargs, base=VLLM_MODEL),),
+    "rollout.vllm_kv_cache_bytes": (Probe(3 << 20, _vllm_kwargs, base=VLLM_MODEL),),
+    "rollout.prompts_per_step": (Probe(3, _requests),),
+    "rollout.samples_per_prompt": (Probe(2, _requests), Probe(2, _scores)),
+    "rollout.max_new_tokens": (Probe(64, _requests),
+                               Refused(4000, "rollout.max_new_tokens=4000 exceeds", via=_job)),
+    "rollout.temperature": (Probe(0.5, _generated),),
+    "rollout.synthetic_lengths": (Probe(False, _requests),),
+    "rollout.length_workload": (Probe("longtail-drift", _requests),),
+    "rollout.batch_rows": (Probe(8, _generated),),
+    "rollout.max_prompt_tokens": (Probe(8, _requests),
+                                  Refused(4000, "rollout.max_prompt_tokens=4000", via=_job)),
+    "train.lr": (Probe(1e-2, _train_steps),),
+    "train.weight_decay": (Probe(0.5, _train_steps),),
+    "train.betas": (Probe([0.5, 0.9], _train_steps),),
+    "train.eps": (Probe(1.0, _train_steps),),
+    "train.clip_eps": (Probe(5.0, _train_steps),),
+    "train.kl_coef": (Probe(0.1, _train_steps),
+                      Runtime("tests/e2e/test_run.py::test_bf16_with_kl_schedule_and_clipping_through_resizes",
+                              "with kl_coef=0.05 the recorded KL is 0 at step 0 and > 0 after")),
+    "train.micro_batch_size": (Probe(1, _train_steps),),
+    "train.staleness": (Probe(0, _staleness),),
+    "train.dtype": (Probe("bf16", _sharded), Probe("bf16", _behaviour_logprobs)),
+    "train.activation_checkpointing": (Probe(True, _sharded),),
+    "train.kl_estimator": (Probe("k1", _train_steps, base={"train": {"kl_coef": 0.1}}),),
+    "train.lr_schedule": (Probe("cosine", _train_steps),
+                          Runtime("tests/e2e/test_run.py::test_bf16_with_kl_schedule_and_clipping_through_resizes",
+                                  "with lr_schedule=cosine the recorded lr decays step by step after the warmup")),
+    "train.warmup_steps": (Probe(3, _train_steps),
+                           Runtime("tests/e2e/test_run.py::test_bf16_with_kl_schedule_and_clipping_through_resizes",
+                                   "with warmup_steps=2 the recorded lr rises over steps 0-1, then decays")),
+    "train.min_lr_ratio": (Probe(0.5, _train_steps, base={"train": {"lr_schedule": "linear"}}),),
+    "train.max_grad_norm": (Probe(0.01, _train_steps),),
+    "train.old_logprobs": (Probe("recompute", _behaviour_logprobs),),
+    "policy.name": (Probe("greedy", _decisions, base=POLICY_BASE),),
+    "policy.static_rollout": (Probe(4, _decisions, base=merge(POLICY_BASE, {"policy": {"name": "static"}})),),
+    "policy.schedule": (Probe("3:4,9:1", _decisions,
+                              base=merge(POLICY_BASE, {"policy": {"name": "scripted", "schedule": "5:3"}})),),
+    "policy.min_rollout": (Probe(2, _decisions, base=POLICY_BASE),),
+    "policy.min_train": (Probe(3, _decisions, base=POLICY_BASE),),
+    "policy.move_unit": (Probe(2, _decisions, base=POLICY_BASE),),
+    "policy.profile_steps": (Probe(6, _decisions, base=POLICY_BASE),),
+    "policy.enter_band": (Probe(0.3, _decisions, base=POLICY_BASE),),
+    "policy.exit_band": (Probe(0.0, _decisions, base=POLICY_BASE),),
+    "policy.dwell_steps": (Probe(4, _decisions, base=POLICY_BASE),),
+    "policy.cooldown_steps": (Probe(6, _decisions, base=POLICY_BASE),),
+    "policy.horizon_steps": (Probe(2, _decisions, base=POLICY_BASE),),
+    "policy.cost_margin": (Probe(20.0, _decisions, base=POLICY_BASE),),
+    "policy.greedy_threshold": (Probe(3.0, _decisions, base=merge(POLICY_BASE, {"policy": {"name": "greedy"}})),),
+    "policy.move_cost_prior_s": (Probe(100.0, _decisions, base=POLICY_BASE),),
+    "reshard.staging_bytes": (Probe(4096, _reshard),
+                              Runtime("tests/dist/test_bench_resize.py::test_bench_resize_end_to_end",
+                                      "for each configured bound the resizes' peak staging stays within it")),
+    "reshard.background_moments": (Probe(False, _moments),),
+    "timeouts.collective_s": (Probe(1000.0, _watchdog),),
+    "timeouts.actor_call_s": (Probe(2000.0, _watchdog),),
+    "checkpoint.every_steps": (Probe(5, _checkpoints),),
+    "logging.backends": (Probe(["jsonl", "tensorboard"], _sinks),
+                         Runtime("tests/e2e/test_lab_tooling.py::"
+                                 "test_tensorboard_reader_finds_every_scalar_of_the_run",
+                                 "with logging.backends=tensorboard,... TensorBoard's reader finds every scalar")),
+}
+
+# Fields neither probed, refused nor checked by a runtime test: path -> why. Pinned below.
+UNPROVEN: dict[str, str] = {}
+EXPECTED_UNPROVEN: frozenset[str] = frozenset()
+
+
+def _cases(kind: type) -> list:
+    return [pytest.param(path, i, ev, id=f"{path}#{i}")
+            for path, evs in EVIDENCE.items() for i, ev in enumerate(evs) if isinstance(ev, kind)]
+
+
+# ---------------------------------------------------------------- the tests
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_torch_thread):
+    """The workers' math runs on one thread (`cluster.torch_threads`); so do the probes."""
+
+
+def test_every_field_has_evidence():
+    paths = list(_paths(RunConfig))
+    missing = [p for p in paths if p not in EVIDENCE and p not in UNPROVEN]
+    assert not missing, f"config fields with no evidence that they change behaviour (add an entry): {missing}"
+    stale = sorted(set(EVIDENCE) - set(paths))
+    assert not stale, f"evidence for fields RunConfig no longer has: {stale}"
+    for path in paths:
+        kinds = {type(ev) for ev in EVIDENCE.get(path, ())}
+        assert kinds & {Probe, Refused} or path in UNPROVEN, (
+            f"{path}: a runtime test alone is not checked here; add a probe or a refusal, or list it in UNPROVEN")
+
+
+def test_unproven_is_exactly_known():
+    assert set(UNPROVEN) == EXPECTED_UNPROVEN
+    assert not set(UNPROVEN) & set(EVIDENCE)
+    assert all(reason.strip() for reason in UNPROVEN.values())
+
+
+_DEFAULT_SEEN: dict = {}
+
+
+def _default_observation(ev: Probe) -> Any:
+    """The probe on the default config (with `base`), computed twice the first time: a probe
+    that is not reproducible could show a difference that is not the field's."""
+    key = (ev.fn, json.dumps(_resolve(ev.base), sort_keys=True, default=str))
+    if key not in _DEFAULT_SEEN:
+        first = ev.fn(build_config(_data(ev.base)))
+        assert ev.fn(build_config(_data(ev.base))) == first, f"the probe {ev.fn.__name__} is not reproducible"
+        _DEFAULT_SEEN[key] = first
+    return _DEFAULT_SEEN[key]
+
+
+@pytest.mark.parametrize("path, index, ev", _cases(Probe))
+def test_field_changes_behaviour(path, index, ev):
+    default = build_config(_data(ev.base))
+    alternative = build_config(_data(ev.base, _nested(path, ev.alt)))
+    assert _get(alternative, path) != _get(default, path), f"{path}: the alternative is the default value"
+    assert ev.fn(alternative) != _default_observation(ev), (
+        f"{path}={_get(alternative, path)!r} is accepted but {ev.fn.__name__} sees no change from "
+        f"{_get(default, path)!r}: accepted-but-ignored?")
+
+
+@pytest.mark.parametrize("path, index, ev", _cases(Refused))
+def test_field_value_is_refused(path, index, ev):
+    data = _data(ev.base, _nested(path, ev.value))
+    with pytest.raises(UserError) as info:
+        cfg = build_config(data)
+        if ev.via is None:
+            pytest.fail(f"{path}={ev.value!r}: build_config accepted it")
+        ev.via(cfg)
+    message = str(info.value)
+    assert ev.fragment in message, message
+    assert "\n" not in message and "Traceback" not in message
+
+
+def _test_functions(relpath: str) -> set[str]:
+    tree = ast.parse((ROOT / relpath).read_text())
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.name.startswith("test_")}
+
+
+@pytest.mark.parametrize("path, index, ev", _cases(Runtime))
+def test_runtime_evidence_exists(path, index, ev):
+    relpath, _, name = ev.test.partition("::")
+    assert (ROOT / relpath).is_file(), ev.test
+    assert name in _test_functions(relpath), f"{path}: {ev.test} does not exist"
+    assert ev.asserts.strip()
