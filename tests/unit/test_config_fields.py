@@ -651,9 +651,9 @@ EVIDENCE: dict[str, tuple] = {
                                    "test_prompts_use_the_folder_chat_template_and_are_truncated",
                                    "with a user folder the prompt ids open with its user turn and end with the "
                                    "assistant turn")),
-    "rollout.engine": ((Probe("vllm", _engine_class),) if HAVE_VLLM
+    "rollout.engine": ((Probe("vllm", _engine_class, base={**VLLM_MODEL, "deterministic": True}),) if HAVE_VLLM
                        else (Refused("vllm", "rollout.engine='vllm': the vllm package is not installed"),))
-                      + (Probe("hf", _engine_class, base={"deterministic": False}) if HAVE_VLLM
+                      + (Probe("hf", _engine_class, base={**VLLM_MODEL, "deterministic": False}) if HAVE_VLLM
                          else Refused("sglang", "rollout.engine='sglang': must be one of"),),
     "rollout.vllm_max_num_seqs": (Probe(5, _vllm_kwargs, base=VLLM_MODEL),),
     "rollout.vllm_max_model_len": (Probe(300, _vllm_kwargs, base=VLLM_MODEL),),
