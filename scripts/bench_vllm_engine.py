@@ -5,7 +5,8 @@
 One process, torch pinned to --threads, fp32 CPU. Prints one JSON line: start (fresh, then a
 re-start in the same process), load_weights, release, generate (32 requests x 48 forced
 tokens: vLLM vs the HF engine), log-prob gap between the engine and the trainer's recompute
-(rl.grpo.response_logprobs), and RSS.
+(rl.grpo.response_logprobs), and RSS. Run it on an idle machine: on a shared one the times
+mostly measure the neighbours.
 """
 
 from __future__ import annotations
@@ -52,9 +53,7 @@ def main() -> None:
     out: dict = {"model": args.model, "params": num_parameters(model), "threads": args.threads,
                  "requests": args.requests, "tokens": args.tokens, "rss_mib_before": round(rss())}
 
-    t = time.perf_counter()
-    import vllm  # noqa: F401
-    out["import_vllm_s"] = time.perf_counter() - t
+    out["preload_s"] = VLLMRolloutEngine.preload()  # imports (a worker does this ahead)
     eng = VLLMRolloutEngine(cfg, 1.0, kv_cache_bytes=256 << 20)
     eng.start(sd, 0)
     out["start_fresh"] = eng.timings
@@ -86,7 +85,17 @@ def main() -> None:
     t = time.perf_counter()
     hf.generate(reqs)
     out["generate_hf_s"] = time.perf_counter() - t
-    print(json.dumps(out, default=lambda x: round(x, 4) if isinstance(x, float) else str(x)))
+    print(json.dumps(_rounded(out)))
+
+
+def _rounded(x):
+    if isinstance(x, float):
+        return float(f"{x:.3g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
 
 
 if __name__ == "__main__":
