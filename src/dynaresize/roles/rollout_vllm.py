@@ -351,16 +351,19 @@ class VLLMRolloutEngine:
     def preload() -> float:
         """Import the vLLM modules an engine's first start needs; returns the seconds taken.
 
-        Most of a process's first `start` is imports (measured ~6 of ~10 s on the 2-core CPU
-        machine; later starts take ~2 s). A worker that may become a rollout device can call
-        this when it starts, or in the background, so no resize pays for them. Safe to call
-        more than once and without an engine; imports only (no engine, no torch.distributed).
+        Most of a process's first `start` is imports: on the 2-core CPU machine a first start
+        took 8-24 s, and 1.3 s after `preload` (docs/rollout.md, section 4). A worker that may become a rollout device can call
+        this when it starts, or in a background thread, so no resize pays for them. Safe to
+        call more than once and without an engine: imports only (no engine, no
+        torch.distributed); they touch neither the RNGs nor the thread count (checked), and the
+        environment variables they set are undone.
         """
         import importlib
 
         t0 = time.perf_counter()
         worker = "vllm.v1.worker.gpu_worker" if torch.cuda.is_available() else "vllm.v1.worker.cpu_worker"
-        with preserve_process_state():
+        saved_env = dict(os.environ)
+        try:
             for name in ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core", worker,
                          "vllm.v1.sample.sampler", "vllm.model_executor.model_loader",
                          "vllm.model_executor.models.qwen2", "vllm.model_executor.models.llama"):
@@ -368,6 +371,8 @@ class VLLMRolloutEngine:
                     importlib.import_module(name)
                 except Exception:  # a module this build lacks: the start imports what it needs
                     pass
+        finally:
+            _restore_env(saved_env)
         return time.perf_counter() - t0
 
     @property
