@@ -6,7 +6,8 @@ Two actors (ranks 0 and 1 of one world), one engine each (two engines at most):
 - log-probs equal the trainer's recompute (`rl.grpo.response_logprobs` on the HF model) within
   1e-4 (measured ~5e-7), before and after an in-place weight update;
 - `load_weights` in place: the digest read back from the engine equals `state_dict_digest` of
-  the new weights (the tied lm_head included), and generation changes accordingly;
+  the new weights (the tied lm_head included, also when the trainer's names leave it out: a
+  stale head kernel is flagged), and generation changes accordingly;
 - the worker's world is intact: collectives on the old group, and a new group created after
   the engines gets the same name on both ranks; torch's thread count still obeys;
 - `release` frees the KV cache's memory and a re-start gives the same tokens;
@@ -81,6 +82,11 @@ class EngineActor:
 
         return vllm_import_error()
 
+    def preload(self) -> float:
+        from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine.preload()
+
     def join(self, init_method: str) -> str:
         import torch.distributed as dist
 
@@ -140,12 +146,28 @@ class EngineActor:
         self.engine.load_weights(sd, version)
         return dict(self.engine.timings)
 
-    def digests(self, perturb: float) -> tuple[str, str, str]:
+    def digests(self, perturb: float, trainer_names: bool = False) -> tuple[str, str, str]:
+        """(engine, these weights, the initial weights) digests over every name, or over the
+        names a trainer sends (`named_parameters`: the tied weight once, as the embedding)."""
+        from dynaresize.config import ModelConfig
+        from dynaresize.rl.models import build_model
         from dynaresize.roles.rollout_vllm import state_dict_digest
 
         sd = self.weights(perturb)
         names = sorted(sd)
+        if trainer_names:
+            names = [n for n, _ in build_model(ModelConfig(path=self.model_dir)).named_parameters()]
+            assert "lm_head.weight" not in names
         return self.engine.weights_digest(names), state_dict_digest(sd, names), state_dict_digest(self.weights(0.0), names)
+
+    def corrupt_tied_head(self) -> None:
+        """Make the lm_head's kernel compute with a copy of other weights (a stale head)."""
+        def corrupt(worker):
+            head = worker.model_runner.get_model().lm_head
+            stale = head.weight.detach() * 1.5
+            head.cpu_linear = lambda x, weight, bias: x @ stale.t()
+
+        self.engine._llm.collective_rpc(corrupt)
 
     def generate(self, alone: bool = False, step: int = 0):
         reqs = _requests(step)
@@ -201,7 +223,8 @@ class EngineActor:
 
 @pytest.fixture(scope="module")
 def actors():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a cluster of our own, even while another `ray start` cluster runs here.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     tmp = tempfile.TemporaryDirectory(prefix="dynaresize-vllm-test-")
     try:
         model_dir = _save_tiny_model(os.path.join(tmp.name, "model"))
@@ -226,7 +249,9 @@ def actors():
 def test_vllm_engine_in_a_worker_with_a_gloo_world(actors):
     a, b = actors
     t0 = time.perf_counter()
-    # Engine A from config with non-default vllm_* settings; engine B with the defaults.
+    # Engine A from config with non-default vllm_* settings; engine B with the defaults, its
+    # imports done ahead by `preload` (what a worker can do off the critical path).
+    preload_b = ray.get(b.preload.remote(), timeout=600)
     start_a, start_b = ray.get([a.start.remote(vllm_max_num_seqs=3, vllm_max_model_len=128),
                                 b.start.remote()], timeout=600)
     settings = ray.get(a.settings.remote())
@@ -261,6 +286,7 @@ def test_vllm_engine_in_a_worker_with_a_gloo_world(actors):
 
     # max_model_len takes effect: a request past 128 tokens is refused.
     from dynaresize.roles.base import GenRequest
+    from dynaresize.roles.rollout_vllm import STALE_HEAD
 
     with pytest.raises(ray.exceptions.RayTaskError, match="max_model_len 128"):
         ray.get(a.generate_one.remote(GenRequest((9, 0, 0), [2] * 100, 40, 1)))
@@ -271,6 +297,14 @@ def test_vllm_engine_in_a_worker_with_a_gloo_world(actors):
     load = ray.get(a.load.remote(0.05, 1))
     engine_digest, new_digest, old_digest = ray.get(a.digests.remote(0.05))
     assert engine_digest == new_digest != old_digest
+    engine_digest, new_digest, _ = ray.get(a.digests.remote(0.05, trainer_names=True))
+    assert engine_digest == new_digest  # the tie checked inside, though lm_head is not named
+    ray.get(a.corrupt_tied_head.remote())
+    engine_digest, new_digest, _ = ray.get(a.digests.remote(0.05, trainer_names=True))
+    assert engine_digest == STALE_HEAD + new_digest  # a stale head never matches the trainers
+    ray.get(a.load.remote(0.05, 1))  # a reload re-dispatches the head
+    engine_digest, new_digest, _ = ray.get(a.digests.remote(0.05, trainer_names=True))
+    assert engine_digest == new_digest
     updated = ray.get(a.generate.remote())
     assert [r.response_ids for r in updated] != tokens and {r.version for r in updated} == {1}
     assert ray.get(a.recompute_logprobs.remote(updated, 0.05)) <= LOGPROB_TOL  # lm_head not stale
@@ -290,7 +324,7 @@ def test_vllm_engine_in_a_worker_with_a_gloo_world(actors):
     assert ray.get([x.all_reduce.remote() for x in actors]) == [[3.0, 3.0, 3.0]] * 2
     last = ray.get([x.new_group.remote("last") for x in actors])
     assert last[0] == last[1]
-    print(f"\nvLLM engine: start A {start_a}, start B {start_b}, load {load}, release {released}, "
+    print(f"\nvLLM engine: start A {start_a}, preload B {preload_b:.1f} s, start B {start_b}, load {load}, release {released}, "
           f"restart {restart}, log-prob differences: alone vs batched {batch_noise:.1e}, engine A vs B "
           f"{engine_noise:.1e}, engine vs trainer recompute {recompute_gap:.1e}; RSS freed "
           f"{(rss_before - rss_after) / 2**20:.0f} MiB, total {time.perf_counter() - t0:.1f} s")

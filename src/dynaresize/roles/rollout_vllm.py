@@ -172,12 +172,28 @@ def _rpc_weight_shapes(worker: Any) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in _engine_tensors(worker.model_runner.get_model(), materialize=False)}
 
 
+STALE_HEAD = "stale-tied-lm_head:"  # prefix of a digest whose tied lm_head kernel lags its embedding
+
+
 def _rpc_digest(worker: Any, names: list[str] | None, dtype: torch.dtype) -> str:
-    tensors = dict(_engine_tensors(worker.model_runner.get_model(), materialize=True, only=names))
+    model = worker.model_runner.get_model()
+    tensors = dict(_engine_tensors(model, materialize=True, only=names))
     missing = sorted(set(names or ()) - set(tensors))
     if missing:
         raise KeyError(f"the engine holds no weight named {missing[:5]}")
-    return state_dict_digest(tensors, names, dtype)
+    digest = state_dict_digest(tensors, names, dtype)
+    return STALE_HEAD + digest if _tied_head_is_stale(model) else digest
+
+
+def _tied_head_is_stale(model: torch.nn.Module) -> bool:
+    """With tied embeddings the trainer names the shared weight once (the embedding), so the
+    lm_head's own kernel state is checked here: read back, it must equal the embedding."""
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return False
+    vocab = int(embed.org_vocab_size)
+    served = _linear_weight(head, True)[:vocab] + 0
+    return not torch.equal(served.view(torch.uint8), (embed.weight.detach()[:vocab] + 0).contiguous().view(torch.uint8))
 
 
 def _rpc_kv_cache_bytes(worker: Any) -> int:
@@ -252,6 +268,26 @@ def _linear_weight(mod: torch.nn.Module, materialize: bool, rows_per_probe: int 
         return torch.cat(cols, dim=0).t().contiguous()
 
 
+_patched_ranks = False
+
+
+def _eager_token_ranks() -> None:
+    """On CPU, compute the sampled tokens' ranks (which log-prob requests make vLLM return)
+    eagerly instead of through its `torch.compile`d helper: compiling it costs 3-14 s on the
+    first request of every process (measured, 2 cores) and needs a C++ compiler. Same result
+    (a count of `x >= value` per row); the only cost is a (rows x vocab) bool temporary."""
+    global _patched_ranks
+    if _patched_ranks or torch.cuda.is_available():
+        return
+    from vllm.v1.sample import sampler
+
+    def batched_count_greater_than(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return (x >= values).sum(-1)
+
+    sampler.batched_count_greater_than = batched_count_greater_than
+    _patched_ranks = True
+
+
 # ---------------------------------------------------------------- the engine
 
 
@@ -270,8 +306,8 @@ class VLLMRolloutEngine:
         prefix_caching: reuse the KV of shared prompt blocks (GRPO groups); off makes a
             sample's numerics independent of earlier requests (deterministic mode).
         load_chunk_bytes: weights per `reload_weights` call (whole layers); 0: one call.
-        warmup: run a two-token request at start (the first call with log-probs compiles vLLM's
-            log-prob gather, ~3 s on CPU, once per process).
+        warmup: run a two-token request at start, so one-off set-up costs of the first request
+            fall in `start`, not in the first rollout.
     """
 
     def __init__(self, model_cfg: ModelConfig, temperature: float, *, max_num_seqs: int = 64,
@@ -311,6 +347,34 @@ class VLLMRolloutEngine:
         self._request_ids = itertools.count()
 
     # -- lifecycle ---------------------------------------------------------------------------
+    @staticmethod
+    def preload() -> float:
+        """Import the vLLM modules an engine's first start needs; returns the seconds taken.
+
+        Most of a process's first `start` is imports: on the 2-core CPU machine a first start
+        took 8-24 s, and 1.3 s after `preload` (docs/rollout.md, section 4). A worker that may become a rollout device can call
+        this when it starts, or in a background thread, so no resize pays for them. Safe to
+        call more than once and without an engine: imports only (no engine, no
+        torch.distributed); they touch neither the RNGs nor the thread count (checked), and the
+        environment variables they set are undone.
+        """
+        import importlib
+
+        t0 = time.perf_counter()
+        worker = "vllm.v1.worker.gpu_worker" if torch.cuda.is_available() else "vllm.v1.worker.cpu_worker"
+        saved_env = dict(os.environ)
+        try:
+            for name in ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core", worker,
+                         "vllm.v1.sample.sampler", "vllm.model_executor.model_loader",
+                         "vllm.model_executor.models.qwen2", "vllm.model_executor.models.llama"):
+                try:
+                    importlib.import_module(name)
+                except Exception:  # a module this build lacks: the start imports what it needs
+                    pass
+        finally:
+            _restore_env(saved_env)
+        return time.perf_counter() - t0
+
     @property
     def loaded(self) -> bool:
         return self._llm is not None
@@ -338,7 +402,13 @@ class VLLMRolloutEngine:
             from dynaresize.roles.vllm_world import install_safe_cleanup, vllm_world
 
             install_safe_cleanup()
+            _eager_token_ranks()
             kwargs = self.engine_kwargs()
+            # vLLM runs full garbage collections while it starts (~0.6 s each over a worker's
+            # heap, measured: 2-3 s per start); with the existing heap frozen they only walk
+            # the engine's own objects. Unfrozen afterwards (vLLM freezes too): nothing stays
+            # uncollectable.
+            gc.freeze()
             try:
                 with vllm_world() as world:
                     self._world = world
@@ -347,7 +417,8 @@ class VLLMRolloutEngine:
                 self._llm = None
                 self._drop_tmpdir()
                 raise
-            gc.unfreeze()  # vLLM freezes the heap at start; the worker's objects stay collectable
+            finally:
+                gc.unfreeze()
         t1 = time.perf_counter()
         try:
             self._shapes = self._llm.collective_rpc(_rpc_weight_shapes)[0]
@@ -505,7 +576,7 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         with preserve_process_state(env=False):
-            # Two tokens with log-probs: vLLM compiles its log-prob gather (torch.compile) on first use.
+            # Two tokens with log-probs: the path every rollout takes.
             self._llm.generate([TokensPrompt(prompt_token_ids=[0])],
                                SamplingParams(max_tokens=2, seed=0, temperature=self.temperature, logprobs=0,
                                               ignore_eos=True, detokenize=False), use_tqdm=False)
@@ -583,7 +654,10 @@ class VLLMRolloutEngine:
 
     def weights_digest(self, names: Iterable[str] | None = None) -> str:
         """`state_dict_digest` of the weights the engine computes with, read back from it
-        (not from what was sent), under the trainer's names. `names` None: every weight."""
+        (not from what was sent), under the trainer's names. `names` None: every weight.
+        With tied embeddings the lm_head's kernel is also checked against the embedding even
+        when `names` leaves it out; a stale one prefixes the digest with `STALE_HEAD`, so it
+        can never match a trainer's."""
         if self._llm is None:
             raise RuntimeError("vLLM engine is released")
         wanted = sorted(self._shapes if names is None else names)

@@ -196,14 +196,11 @@ def install_safe_cleanup() -> None:
     global _installed
     if _installed:
         return
-    import gc
-
     from vllm.v1.engine import core
 
     def cleanup_vllm_only(shutdown_ray: bool = False) -> None:
         del shutdown_ray  # never: Ray belongs to the worker
-        destroy_vllm_world()
-        gc.collect()
+        destroy_vllm_world()  # no gc.collect here: the engine's owner collects once it dropped it
 
     core.cleanup_dist_env_and_memory = cleanup_vllm_only
     _installed = True
