@@ -316,6 +316,7 @@ def _train_steps(cfg: RunConfig, steps: int = 2) -> list:
     fake._reshard_roots = lambda: None
     fake.state_bytes = lambda: 0
     worker = DeviceWorker.__new__(DeviceWorker)
+    worker._parked = None  # set by __init__, which these probes skip
     worker.cfg, worker.trainer = cfg, fake
     samples = _train_samples(cfg)
     mbs = grpo.micro_batches(samples, cfg.train.micro_batch_size)
@@ -368,6 +369,7 @@ def _behaviour_logprobs(cfg: RunConfig) -> tuple:
     from dynaresize.roles.train_fsdp import TrainerSpec
 
     worker = DeviceWorker.__new__(DeviceWorker)
+    worker._parked = None  # set by __init__, which these probes skip
     worker.cfg = cfg
     return worker._old_logprobs(), TrainerSpec.from_config(cfg).compute_dtype
 
@@ -383,6 +385,7 @@ def _generated(cfg: RunConfig) -> tuple:
     from dynaresize.roles.base import GenRequest
 
     worker = DeviceWorker.__new__(DeviceWorker)
+    worker._parked = None  # set by __init__, which these probes skip
     worker.cfg, worker.torch_device = cfg, torch.device("cpu")
     engine = worker._new_engine()
     engine.set_weights(build_model(cfg.model).state_dict(), 0)
@@ -419,6 +422,7 @@ def _release_engine(cfg: RunConfig) -> tuple:
     from dynaresize.rl.models import build_model
 
     worker = DeviceWorker.__new__(DeviceWorker)
+    worker._parked = None  # set by __init__, which these probes skip
     worker.cfg, worker.torch_device, worker._faults, worker._parked = cfg, torch.device("cpu"), [], None
     engine = worker.engine = _new_engine(cfg)
     engine.set_weights(build_model(cfg.model).state_dict(), 0)
@@ -430,6 +434,7 @@ def _new_engine(cfg: RunConfig) -> Any:
     from dynaresize.cluster.worker import DeviceWorker
 
     worker = DeviceWorker.__new__(DeviceWorker)
+    worker._parked = None  # set by __init__, which these probes skip
     worker.cfg, worker.torch_device = cfg, torch.device("cpu")
     return worker._new_engine()
 

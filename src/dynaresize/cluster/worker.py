@@ -72,6 +72,10 @@ class DeviceWorker(RecoveryMixin):
         if self.cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.torch_device = local_device(self.cfg.cluster.backend)
+        if resolve_engine(self.cfg) == "vllm":  # vLLM's imports (seconds) off any critical path
+            from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
+
+            threading.Thread(target=VLLMRolloutEngine.preload, name="vllm-preload", daemon=True).start()
         self.spec = TrainerSpec.from_config(self.cfg)
         self.role: str | None = None
         self.pool: CommPool | None = None
