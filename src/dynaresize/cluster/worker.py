@@ -72,10 +72,12 @@ class DeviceWorker(RecoveryMixin):
         if self.cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.torch_device = local_device(self.cfg.cluster.backend)
-        if resolve_engine(self.cfg) == "vllm":  # vLLM's imports (seconds) off any critical path
+        if resolve_engine(self.cfg) == "vllm":
+            # vLLM's imports (seconds) at worker start, off every resize's critical path. On this
+            # thread: importing from a second thread raced transformers' lazy module set-up.
             from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
 
-            threading.Thread(target=VLLMRolloutEngine.preload, name="vllm-preload", daemon=True).start()
+            VLLMRolloutEngine.preload()
         self.spec = TrainerSpec.from_config(self.cfg)
         self.role: str | None = None
         self.pool: CommPool | None = None
