@@ -442,6 +442,18 @@ def _build(cls: type, data: Any, path: str, err: _Errors) -> Any:
     return obj
 
 
+def field_paths(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every leaf field of a config class as `section.field` (docs and tests walk them)."""
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += field_paths(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
 def build_config(data: dict, cls: type = RunConfig) -> Any:
     """Build and validate a config from a nested dict; raise ConfigError listing every problem."""
     err = _Errors()

@@ -41,14 +41,12 @@ import importlib.util
 
 import ast
 import atexit
-import dataclasses
 import functools
 import hashlib
 import json
 import shutil
 import tempfile
 import time
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,12 +68,9 @@ TINY = {"model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_he
 
 
 def _paths(cls, prefix=""):
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            yield from _paths(hints[f.name], f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}"
+    from dynaresize.config import field_paths
+
+    return field_paths(cls, prefix)
 
 
 class Lazy:

@@ -1,7 +1,5 @@
 """docs/config.md documents every config field (so the docs stay true as fields are added)."""
 
-import dataclasses
-import typing
 from pathlib import Path
 
 from dynaresize.config import RunConfig
@@ -10,12 +8,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def _paths(cls, prefix=""):
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            yield from _paths(hints[f.name], f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}"
+    from dynaresize.config import field_paths
+
+    return field_paths(cls, prefix)
 
 
 def test_every_field_is_documented():
