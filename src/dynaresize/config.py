@@ -34,6 +34,8 @@ class ClusterConfig:
     backend: str = "auto"  # auto | gloo | nccl
     cpus_per_device: float = 0.5  # Ray CPU resources per worker on CPU devices
     torch_threads: int = 1  # fixed: bitwise-reproducible math needs a fixed thread count
+    emulate: str | None = None  # "ACCEL:MODEL" (e.g. h100:7b): pace every device to that accelerator (emulate.py)
+    time_scale: float | None = None  # emulated seconds per wall second (with emulate; None: emulate.DEFAULT_TIME_SCALE)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.devices >= 2, "devices", self.devices, "needs at least 2 devices")
@@ -251,6 +253,10 @@ class RunConfig:
             err.need(self.steps > t.warmup_steps, "train.warmup_steps", t.warmup_steps,
                      f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")
         p, c = self.policy, self.cluster
+        from dynaresize.emulate import check_config  # emulated accelerators (emulate.py)
+
+        for path, value, message in check_config(self):
+            err.add(path, value, message)
         if c.devices >= 2:
             err.need(p.min_rollout + p.min_train <= c.devices, "policy.min_rollout", p.min_rollout,
                      f"min_rollout + min_train ({p.min_rollout}+{p.min_train}) exceeds devices ({c.devices})")

@@ -34,6 +34,7 @@ from dynaresize.cluster.watchdog import DevicesLost
 from dynaresize.config import RunConfig, config_to_dict
 from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
+from dynaresize.emulate import run_bounds
 from dynaresize.errors import RewardError
 from dynaresize.job import Job, ScoredStep
 from dynaresize.ledger import Ledger, sample_record
@@ -42,8 +43,9 @@ from dynaresize.records import Recorder
 from dynaresize.recovery import Recovery, stop_run
 from dynaresize.rl import grpo
 from dynaresize.stepstate import StepRollout, Window, rollout_version
+from dynaresize.steptiming import StepTiming
 from dynaresize.tracking import check_backends, open_sinks
-from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan, StepReport
+from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan, StepReport
 
 
 class Run:
@@ -64,6 +66,7 @@ class Run:
         self.stats: dict = dict(state.get("stats") or {"faults_injected": 0, "faults_recovered": 0,
                                                         "recoveries": [], "elapsed_s": 0.0})
         self.t0 = time.time() - self.stats["elapsed_s"]  # a resumed run's times go on from the checkpoint
+        self.timing = StepTiming(cfg)  # the time unit (emulated seconds with cluster.emulate), work and overhead
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
         if resume:
@@ -86,8 +89,7 @@ class Run:
             cfg.cluster.devices, cfg.cluster.rollout_devices, config_to_dict(cfg)["policy"])
         if same:  # resumed on the same devices with the same policy: it goes on where it was
             return state["controller"], state["controller"].assignment
-        bounds = Bounds(num_devices=cfg.cluster.devices, min_rollout=cfg.policy.min_rollout,
-                        min_train=cfg.policy.min_train, move_unit=cfg.policy.move_unit)
+        bounds = run_bounds(cfg)  # the policy's limits (raised to an emulated accelerator's)
         policy = make_policy(cfg.policy, bounds, num_steps=cfg.steps)
         # A policy may name its split from step 0 (static:R, a scripted step-0 entry).
         start = None if state else getattr(policy, "start_rollout", None)
@@ -97,7 +99,7 @@ class Run:
         return controller, assignment
 
     def rel(self, t: float) -> float:
-        return t - self.t0
+        return (t - self.t0) * self.timing.scale
 
     def _on_event(self, kind: str, fields: dict) -> None:
         self.rec.emit(kind, **fields)
@@ -248,13 +250,20 @@ class Run:
         window = t_end - w.t0
         tail_idle = sum(rolled.t1 - rolled.last_end[d] for d in rolled.busy_s) if rolled else 0.0
         longest = max((t1 - t0 for _, t0, t1 in rolled.calls), default=0.0) if rolled else 0.0
+        timing = self.timing.step(window_t0=w.t0, t_end=t_end, prologue=self.rollouts.get(step), rolled=rolled,
+                                  train_stats=train_stats, sync=sync, step=step,
+                                  overruns=self.cluster.pacing.take_overruns())  # work, overhead (steptiming.py)
+        k = self.timing.scale  # seconds recorded per wall second: emulated ones with cluster.emulate, else 1
+        rollout_s, train_s, sync_s, busy, window, tail_idle, longest = (
+            x * k for x in (rollout_s, train_s, sync_s, busy, window, tail_idle, longest))
         report = StepReport(
             step=step, now_s=self.rel(t_end), num_rollout=a.num_rollout, num_train=a.num_train,
             rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, step_s=window,
-            rollout_work_s=sum(rolled.busy_s.values()) if rolled else 0.0, rollout_longest_s=longest,
+            rollout_work_s=k * sum(rolled.busy_s.values()) if rolled else 0.0, rollout_longest_s=longest,
             rollout_floor_s=longest, num_samples=len(scored.samples), response_tokens=scored.num_tokens,
             idle_device_s=max(0.0, a.num_devices * window - busy), tail_idle_device_s=tail_idle,
             resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens)
+        report = self.timing.report(report, step + 1 if rolled else None)
         self.last_critical_s = None
         self.rec.emit("step", step=step, t_start_s=self.rel(w.t0), t_end_s=self.rel(t_end),
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, num_rollout=a.num_rollout,
@@ -264,7 +273,7 @@ class Run:
                       response_len_mean=scored.num_tokens / max(1, len(scored.samples)),
                       response_len_max=scored.longest_tokens,
                       rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
-                      recoveries=w.recoveries, **train_fields(train_stats))
+                      recoveries=w.recoveries, **train_fields(train_stats), **timing)
         return report
 
     def _decide(self, step: int, report: StepReport) -> None:
@@ -283,7 +292,8 @@ class Run:
         outcome = self.cluster.resize(plan, version=step + 1, step=step,
                                       background_moments=self.cfg.reshard.background_moments)
         self.assignment = plan.dst
-        critical_s = outcome.critical_end - outcome.t_decide
+        critical_s = (outcome.critical_end - outcome.t_decide) * self.timing.scale
+        self.timing.on_resize(outcome)
         self.last_critical_s = critical_s
         self.controller.on_resize_done(plan.resize_id, critical_s, critical_s)
         self.pending = outcome
@@ -303,7 +313,8 @@ class Run:
         as_ids = lambda a: {k: [ids[r] for r in v] for k, v in a.to_json().items()}  # noqa: E731
         rec = self.rec.emit("resize", resize_id=plan.resize_id, step=plan.step, **{"from": as_ids(plan.src)},
                             to=as_ids(plan.dst), moving=[ids[r] for r in plan.moving], to_role=plan.to_role,
-                            critical_s=o.critical_end - o.t_decide, total_s=total_end - o.t_decide,
+                            critical_s=(o.critical_end - o.t_decide) * self.timing.scale,
+                            total_s=(total_end - o.t_decide) * self.timing.scale,
                             t_s=self.rel(o.t_decide), groups_created_critical=o.groups_created_critical,
                             reason=plan.reason)
         self.resizes.append(rec)
@@ -339,6 +350,7 @@ class Run:
             "faults_unfired": self.cluster.faults.unfired(),
             "resumed_from_step": self.start_step if self.resume else None, "stopped": stopped,
         }
+        summary.update(self.timing.summary(consumed, total_s))  # time unit, overhead, overruns (steptiming.py)
         self.rec.emit("summary", summary=summary)
         self.rec.close()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -17,7 +17,7 @@ import numpy as np
 
 from dynaresize.config import PolicyConfig
 from dynaresize.errors import ConfigError
-from dynaresize.sim.costs import ModelPreset, get_model, min_train_devices
+from dynaresize.sim.costs import Hardware, ModelPreset, get_model, min_train_devices
 from dynaresize.sim.stages import Batch, StageModel
 from dynaresize.sim.workload import get_workload, sample_lengths_array
 from dynaresize.types import Bounds
@@ -37,6 +37,7 @@ class Scenario:
     samples_per_prompt: int = SAMPLES_PER_PROMPT
     batch_of: Callable[[int], Batch] = field(repr=False, compare=False, default=None)
     trace_samples: int | None = None  # a trace's trained samples over num_steps steps
+    hardware: Hardware = Hardware()  # the accelerator every device is
 
     def total_samples(self) -> int:
         """Samples trained over the run (every step trains one batch)."""
@@ -54,14 +55,14 @@ class Scenario:
         min_rollout = max(cfg.min_rollout, tp)
         min_rollout = -(-min_rollout // unit) * unit
         b = Bounds(num_devices=self.num_devices, min_rollout=min_rollout,
-                   min_train=max(cfg.min_train, min_train_devices(self.model)), move_unit=unit)
+                   min_train=max(cfg.min_train, min_train_devices(self.model, self.hardware)), move_unit=unit)
         if not b.splits():
             raise ConfigError([f"devices={self.num_devices}: too few for model {self.model.name} "
                                f"(rollout needs >= {b.min_rollout}, training >= {b.min_train})"])
         return b
 
     def stages(self) -> StageModel:
-        return StageModel(self.model, self.batch_of)
+        return StageModel(self.model, self.batch_of, self.hardware)
 
 
 def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model: str = "7b", seed: int = 0,
