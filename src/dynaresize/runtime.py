@@ -66,7 +66,6 @@ class Run:
         self.stats: dict = dict(state.get("stats") or {"faults_injected": 0, "faults_recovered": 0,
                                                         "recoveries": [], "elapsed_s": 0.0})
         self.t0 = time.time() - self.stats["elapsed_s"]  # a resumed run's times go on from the checkpoint
-        self.timing = StepTiming(cfg)  # the time unit (emulated seconds with cluster.emulate), work and overhead
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
         if resume:
@@ -76,6 +75,7 @@ class Run:
         if resume:
             resume_records(self, resume)
         self.cluster = Cluster(cfg, on_event=self._on_event)
+        self.timing = StepTiming(cfg, self.cluster.pacing.clock)  # emulated seconds, work and overhead
         self.snapshots: dict[int, snapshot.Snapshot] = {}  # version -> trainer state (or weights only)
         self.rollouts: dict[int, StepRollout] = {}
         self.pending: ResizeOutcome | None = None
@@ -99,7 +99,7 @@ class Run:
         return controller, assignment
 
     def rel(self, t: float) -> float:
-        return (t - self.t0) * self.timing.scale
+        return self.timing.clock.span(self.t0, t)
 
     def _on_event(self, kind: str, fields: dict) -> None:
         self.rec.emit(kind, **fields)
@@ -239,27 +239,27 @@ class Run:
         a, step, scored, train_stats, sync = self.assignment, w.step, w.scored, w.trained, w.synced
         rolled = self.rollouts.get(step + 1) if step + 1 < self.cfg.steps else None
         t_end = time.time()
+        c = self.timing.clock  # wall -> the run's seconds (emulated ones with cluster.emulate: steptiming.py)
         train_t0 = min(s["t0"] for s in train_stats)
-        train_s = max(s["t1"] for s in train_stats) - train_t0
-        sync_s = (max(s["t1"] for s in sync) - min(s["t0"] for s in sync)) if sync else 0.0
+        train_s = c.span(train_t0, max(s["t1"] for s in train_stats))
+        sync_s = c.span(min(s["t0"] for s in sync), max(s["t1"] for s in sync)) if sync else 0.0
         for s in sync:
             self.rec.emit("span", device=s["device"], name="weight_sync", start_s=self.rel(s["t0"]),
                           end_s=self.rel(s["t1"]), step=step)
-        rollout_s = (rolled.t1 - rolled.t0) if rolled else 0.0
-        busy = sum(s["t1"] - s["t0"] for s in train_stats) + (sum(rolled.busy_s.values()) if rolled else 0.0)
-        window = t_end - w.t0
-        tail_idle = sum(rolled.t1 - rolled.last_end[d] for d in rolled.busy_s) if rolled else 0.0
-        longest = max((t1 - t0 for _, t0, t1 in rolled.calls), default=0.0) if rolled else 0.0
+        rollout_s = c.span(rolled.t0, rolled.t1) if rolled else 0.0
+        calls = rolled.calls if rolled else []
+        rollout_work = sum(c.span(t0, t1) for _, t0, t1 in calls)
+        busy = sum(c.span(s["t0"], s["t1"]) for s in train_stats) + rollout_work
+        window = c.span(w.t0, t_end)
+        tail_idle = sum(c.span(rolled.last_end[d], rolled.t1) for d in rolled.busy_s) if rolled else 0.0
+        longest = max((c.span(t0, t1) for _, t0, t1 in calls), default=0.0)
         timing = self.timing.step(window_t0=w.t0, t_end=t_end, prologue=self.rollouts.get(step), rolled=rolled,
                                   train_stats=train_stats, sync=sync, step=step,
-                                  overruns=self.cluster.pacing.take_overruns())  # work, overhead (steptiming.py)
-        k = self.timing.scale  # seconds recorded per wall second: emulated ones with cluster.emulate, else 1
-        rollout_s, train_s, sync_s, busy, window, tail_idle, longest = (
-            x * k for x in (rollout_s, train_s, sync_s, busy, window, tail_idle, longest))
+                                  stage_calls=self.cluster.pacing.take_stage_calls())  # work, overhead (steptiming.py)
         report = StepReport(
             step=step, now_s=self.rel(t_end), num_rollout=a.num_rollout, num_train=a.num_train,
             rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, step_s=window,
-            rollout_work_s=k * sum(rolled.busy_s.values()) if rolled else 0.0, rollout_longest_s=longest,
+            rollout_work_s=rollout_work, rollout_longest_s=longest,
             rollout_floor_s=longest, num_samples=len(scored.samples), response_tokens=scored.num_tokens,
             idle_device_s=max(0.0, a.num_devices * window - busy), tail_idle_device_s=tail_idle,
             resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens)
@@ -292,7 +292,7 @@ class Run:
         outcome = self.cluster.resize(plan, version=step + 1, step=step,
                                       background_moments=self.cfg.reshard.background_moments)
         self.assignment = plan.dst
-        critical_s = (outcome.critical_end - outcome.t_decide) * self.timing.scale
+        critical_s = self.timing.clock.span(outcome.t_decide, outcome.critical_end)
         self.timing.on_resize(outcome)
         self.last_critical_s = critical_s
         self.controller.on_resize_done(plan.resize_id, critical_s, critical_s)
@@ -313,8 +313,8 @@ class Run:
         as_ids = lambda a: {k: [ids[r] for r in v] for k, v in a.to_json().items()}  # noqa: E731
         rec = self.rec.emit("resize", resize_id=plan.resize_id, step=plan.step, **{"from": as_ids(plan.src)},
                             to=as_ids(plan.dst), moving=[ids[r] for r in plan.moving], to_role=plan.to_role,
-                            critical_s=(o.critical_end - o.t_decide) * self.timing.scale,
-                            total_s=(total_end - o.t_decide) * self.timing.scale,
+                            critical_s=self.timing.clock.span(o.t_decide, o.critical_end),
+                            total_s=self.timing.clock.span(o.t_decide, total_end),
                             t_s=self.rel(o.t_decide), groups_created_critical=o.groups_created_critical,
                             reason=plan.reason)
         self.resizes.append(rec)

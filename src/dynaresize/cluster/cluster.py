@@ -294,6 +294,8 @@ class Cluster:
         self.reach("weight_sync", step, ranks)
         out = self.wait([(d, self.pacing.call(self.workers[d], "sync_weights", train[0], ranks, version, step,
                                               pace_s=self.pacing.sync_s())) for d in devices], f"weight sync {version}")
+        for r in out:
+            self.pacing.note(r, stage=False)
         return [{**r, "device": self.ids[d]} for d, r in zip(devices, out) if d in ranks]
 
     # ------------------------------------------------------------------ resize

@@ -17,7 +17,8 @@ as an overrun.
 Driver side (`DriverPacing`, one per `Cluster`): which calls are paced and to what (from the
 run's `emulate.Emulator`); the rollout router's work split (`rollout_chunks`: the simulator's
 replicas, each device's requests sent at once as one continuous batch); driver-side pacing of
-a resize's critical ops (`after_op`); and a log of overruns that the runtime takes per step.
+a resize's critical ops (`after_op`); the run's clock, on which every paced interval is put
+(steptiming.EmulatedClock); and a log of overruns that the runtime takes per step.
 Without `cluster.emulate` nothing is paced: every helper hands the call through unchanged.
 
 16 emulated devices run on 2 cores because a paced worker sleeps most of its time: the real
@@ -33,6 +34,7 @@ from typing import Any, Callable
 import ray
 
 from dynaresize.emulate import Emulator, time_scale_of
+from dynaresize.steptiming import EmulatedClock
 
 
 def pace(result: Any, start: float, emulated_s: float, time_scale: float, *,
@@ -76,8 +78,9 @@ class DriverPacing:
     def __init__(self, cfg: Any) -> None:
         self.emulator: Emulator | None = Emulator.from_config(cfg)
         self.time_scale = time_scale_of(cfg.cluster)
+        self.clock = EmulatedClock(self.time_scale)  # paced work counts time_scale x (steptiming.py)
         self._lock = threading.Lock()
-        self._overruns: list[dict] = []
+        self._stage_calls: list[tuple[float, float]] = []  # (real_s, paced_s) of rollout and training calls
 
     @property
     def on(self) -> bool:
@@ -131,16 +134,22 @@ class DriverPacing:
         for e in entries:
             e.update(t1=done["t1"], paced_s=done["paced_s"])
         out.critical_end = max(out.critical_end, done["t1"])
+        self.clock.add(start, start + done["paced_s"])
 
     # ------------------------------------------------------------------ overruns
 
-    def note(self, result: Any) -> None:
-        """Keep the overrun of a paced stage call (any thread) until the runtime takes it."""
-        if isinstance(result, dict) and result.get("overrun"):
+    def note(self, result: Any, stage: bool = True) -> None:
+        """A paced call's result (any thread): its paced interval goes on the clock; a stage
+        call's real and paced seconds are kept until the runtime takes them."""
+        if not isinstance(result, dict) or "paced_s" not in result:
+            return
+        self.clock.add(result["paced_from"], result["paced_from"] + result["paced_s"])
+        if stage:
             with self._lock:
-                self._overruns.append({"real_s": result.get("real_s"), "paced_s": result.get("paced_s")})
+                self._stage_calls.append((float(result["real_s"]), float(result["paced_s"])))
 
-    def take_overruns(self) -> list[dict]:
+    def take_stage_calls(self) -> list[tuple[float, float]]:
+        """(real_s, paced_s) of the rollout and training calls since the last take."""
         with self._lock:
-            out, self._overruns = self._overruns, []
+            out, self._stage_calls = self._stage_calls, []
         return out
