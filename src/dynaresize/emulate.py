@@ -274,6 +274,21 @@ def predict(cfg: Any, policy_name: str | None = None, recorder: Any = None):
                       reversal_window=pcfg.horizon_steps, recorder=recorder)
 
 
+def best_static(cfg: Any) -> tuple[int, float]:
+    """(rollout devices, samples/s) of the best fixed split in hindsight for the job `cfg`, as the
+    simulator predicts it (a sweep over the legal splits, `sim.oracle.best_static`)."""
+    from dynaresize.sim.oracle import best_static as sweep
+    from dynaresize.sim.oracle import build_table, grid
+
+    emu = Emulator.from_config(cfg)
+    if emu is None:
+        raise ConfigError(["cluster.emulate=None: a prediction needs an emulated accelerator (ACCEL:MODEL)"])
+    scenario = emu.scenario(cfg.cluster.devices)
+    table = build_table(scenario.stages(), grid(run_bounds(cfg)), cfg.cluster.devices, cfg.steps)
+    split, total = sweep(table)
+    return split, scenario.total_samples() / total
+
+
 def covered_s(intervals) -> float:
     """Length of the union of (start, end) intervals: time during which any of them ran."""
     total, end = 0.0, None

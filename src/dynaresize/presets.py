@@ -22,17 +22,17 @@ from dynaresize.errors import ConfigError
 
 def default() -> dict:
     return {
-        "steps": 16,
+        "steps": 20,
         "seed": 0,
         # A100 80 GB x 6 emulated: a 7B needs >= 2 training devices (its training state), so the
-        # legal splits are 1..4 rollout devices. 50 emulated seconds per wall second: a step of
-        # ~220 emulated seconds lasts ~4.5 s, well above the real work of a few tokens per sample.
-        "cluster": {"devices": 6, "rollout_devices": 4, "emulate": "a100:7b", "time_scale": 50.0},
+        # legal splits are 1..4 rollout devices. 60 emulated seconds per wall second: a step of
+        # ~240 emulated seconds lasts ~4 s, well above the real work of a few tokens per sample.
+        "cluster": {"devices": 6, "rollout_devices": 4, "emulate": "a100:7b", "time_scale": 60.0},
         # 32 x 8 samples; each really generates <= 8 tokens (its length from the workload scaled
         # to max_new_tokens), while its emulated length is the workload's own (up to 16k tokens).
         "rollout": {"prompts_per_step": 32, "samples_per_prompt": 8, "max_new_tokens": 8, "batch_rows": 16,
                     "synthetic_lengths": True, "length_workload": "cap-raise"},
-        # A 16-step run: the gain horizon is a few steps, not the 20 of a long job. The move-cost
+        # A 20-step run: the gain horizon is a few steps, not the 20 of a long job. The move-cost
         # prior stays the GPU default (10 emulated seconds) until the first move is measured.
         "policy": {"name": "hysteresis", "horizon_steps": 6},
         "train": {"lr": 5e-3, "micro_batch_size": 64},

@@ -195,17 +195,19 @@ def emulation_banner(cfg) -> str:
 def format_prediction(cfg, s: dict) -> str:
     """The run's throughput beside the simulator's prediction, for the same job, of the static
     split it started from and of its own policy (emulated runs)."""
-    from dynaresize.emulate import predict, start_split
+    from dynaresize.emulate import best_static, predict, start_split
 
     start = start_split(cfg)
     static = predict(cfg, f"static:{start}")
     own = predict(cfg)
+    best, best_rate = best_static(cfg)
     measured = s["samples_per_s"]
     return "\n".join([
         f"vs static split   this run {measured:.3f} samples/s; the simulator predicts {static.samples_per_s:.3f} for "
-        f"the static split it started from ({start} rollout) -> {measured / static.samples_per_s:.2f}x",
+        f"the static split it started from ({start} rollout): {measured / static.samples_per_s:.2f}x",
         f"prediction        the simulator predicts {own.samples_per_s:.3f} samples/s for this run's policy "
-        f"({own.resizes} resizes): measured/predicted {measured / own.samples_per_s:.3f}",
+        f"({own.resizes} resizes): measured/predicted {measured / own.samples_per_s:.3f}; the best fixed split "
+        f"in hindsight ({best} rollout) {best_rate:.3f}",
     ])
 
 
