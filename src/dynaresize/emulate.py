@@ -129,7 +129,7 @@ class Emulator:
     """The emulated durations of one job (see the module docstring). Seconds are emulated."""
 
     def __init__(self, target: Target, *, workload: str, prompts_per_step: int, samples_per_prompt: int,
-                 seed: int, num_steps: int, time_scale: float = DEFAULT_TIME_SCALE) -> None:
+                 seed: int, num_steps: int) -> None:
         from dynaresize.sim.workload import get_workload
 
         self.target = target
@@ -141,7 +141,6 @@ class Emulator:
         self.samples_per_prompt = int(samples_per_prompt)
         self.seed = int(seed)
         self.num_steps = int(num_steps)
-        self.time_scale = float(time_scale)
         self.stages = StageModel(self.model, self.batch, self.hw, batch_cache=8)
 
     @classmethod
@@ -151,8 +150,7 @@ class Emulator:
             return None
         rc = cfg.rollout
         return cls(parse(cfg.cluster.emulate), workload=rc.length_workload, prompts_per_step=rc.prompts_per_step,
-                   samples_per_prompt=rc.samples_per_prompt, seed=cfg.seed, num_steps=cfg.steps,
-                   time_scale=time_scale_of(cfg.cluster))
+                   samples_per_prompt=rc.samples_per_prompt, seed=cfg.seed, num_steps=cfg.steps)
 
     # ------------------------------------------------------------------ the workload
 
@@ -218,9 +216,6 @@ class Emulator:
         """One resize op on one moving device (the devices of an op run it in parallel)."""
         return op_cost(name, self.model, num_train_before=num_train_before, num_train_after=num_train_after,
                        num_moving=num_moving, hw=self.hw)[0]
-
-    def wall_s(self, emulated_s: float) -> float:
-        return float(emulated_s) / self.time_scale
 
     # ------------------------------------------------------------------ what the runtime reports
 

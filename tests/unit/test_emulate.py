@@ -17,9 +17,9 @@ from dynaresize.sim.workload import get_workload, sample_lengths
 from dynaresize.steptiming import EmulatedClock
 
 
-def _emu(target="h100:7b", workload="longtail-drift", prompts=8, samples=4, steps=10, seed=3, scale=10.0):
+def _emu(target="h100:7b", workload="longtail-drift", prompts=8, samples=4, steps=10, seed=3):
     return Emulator(parse(target), workload=workload, prompts_per_step=prompts, samples_per_prompt=samples, seed=seed,
-                    num_steps=steps, time_scale=scale)
+                    num_steps=steps)
 
 
 def _cfg(**cluster):

@@ -1,25 +1,28 @@
 """Pacing: device workers that take as long as an emulated accelerator would (emulate.py).
 
-Worker side (`PacedMixin`, mixed into `DeviceWorker`): `paced(emulated_s, method, *args)` runs
-`method` (the real work), then sleeps until `start + emulated_s / time_scale`. The result's
-`t1` becomes the paced end, so every span and op record shows the emulated duration; the result
-also says `paced_from`, `paced_s` (the wall seconds it was paced to), `real_s` (the real work)
-and `overrun` (True when the real work alone took longer than the paced time). `paced_bg` does
-the same on the worker's background thread (background resize ops).
+Worker side (`PacedMixin`, mixed into `DeviceWorker`): `paced(start, emulated_s, method, *args)`
+runs `method` (the real work), then sleeps until `start + emulated_s / time_scale`, where
+`start` is when the driver dispatched the call. So every device of a stage (the trainers of one
+step, the participants of a sync) ends at the same time however late each began (on a loaded
+host a worker may start seconds after the others), as on the emulated hardware. The result's
+`t1` becomes the paced end, so spans and op records show the emulated duration; the result also
+says `paced_from` (= start), `paced_s` (the wall seconds it was paced to), `real_s` (from the
+dispatch to the end of the real work) and `overrun` (True when that took longer than the paced
+time). `paced_bg` does the same on the worker's background thread (background resize ops).
 
 Overruns: a rollout or training call whose real work overran its paced time makes its step
-`overrun` (the emulation is then too fast for this machine: that stage took the machine's time,
-not the model's). Weight syncs and resize ops are short in the model (0.05-1.3 s on an H100 for
-a 7B) and have a latency floor here (Ray calls, gloo on CPU) that no smaller model removes:
-what they take beyond their paced time is counted as the step's overhead (steptiming.py), not
-as an overrun.
+`overrun`: that stage took the machine's time, not the model's (the excess counts 1:1 on the
+run's clock, steptiming.py). Weight syncs and resize ops are short in the model (0.05-1.3 s
+for a 7B on an H100) and have a latency floor here (Ray calls, gloo on CPU) that no smaller
+model removes: what they take beyond their paced time is the step's overhead, not an overrun.
 
 Driver side (`DriverPacing`, one per `Cluster`): which calls are paced and to what (from the
 run's `emulate.Emulator`); the rollout router's work split (`rollout_chunks`: the simulator's
-replicas, each device's requests sent at once as one continuous batch); driver-side pacing of
-a resize's critical ops (`after_op`); the run's clock, on which every paced interval is put
-(steptiming.EmulatedClock); and a log of overruns that the runtime takes per step.
-Without `cluster.emulate` nothing is paced: every helper hands the call through unchanged.
+replicas, each device's requests sent at once as one continuous batch); driver-side pacing of a
+resize's critical ops (`after_op`); the run's clock, on which every paced interval is put
+(steptiming.EmulatedClock); and the real and paced times of the stage calls, which the runtime
+takes per step (`overrun`, `real_fraction`). Without `cluster.emulate` nothing is paced: every
+helper hands the call through unchanged.
 
 16 emulated devices run on 2 cores because a paced worker sleeps most of its time: the real
 work (a few real tokens per sample) must stay well under the paced time, which `overrun` checks.
@@ -54,13 +57,11 @@ def pace(result: Any, start: float, emulated_s: float, time_scale: float, *,
 class PacedMixin:
     """`DeviceWorker` methods that pace another method (attributes: `cfg`)."""
 
-    def paced(self, emulated_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
-        start = time.time()
+    def paced(self, start: float, emulated_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
         return pace(getattr(self, method)(*args, **kwargs), start, emulated_s, time_scale_of(self.cfg.cluster))
 
     @ray.method(concurrency_group="bg")
-    def paced_bg(self, emulated_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
-        start = time.time()
+    def paced_bg(self, start: float, emulated_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
         return pace(getattr(self, method)(*args, **kwargs), start, emulated_s, time_scale_of(self.cfg.cluster))
 
 
@@ -87,10 +88,10 @@ class DriverPacing:
         return self.emulator is not None
 
     def call(self, worker: Any, method: str, *args: Any, pace_s: float | None = None, bg: bool = False) -> Any:
-        """`worker.method.remote(*args)`, paced to `pace_s` emulated seconds when emulating."""
+        """`worker.method.remote(*args)`, paced to `pace_s` emulated seconds from now when emulating."""
         if self.emulator is None or pace_s is None:
             return getattr(worker, method).remote(*args)
-        return (worker.paced_bg if bg else worker.paced).remote(pace_s, method, *args)
+        return (worker.paced_bg if bg else worker.paced).remote(time.time(), pace_s, method, *args)
 
     # ------------------------------------------------------------------ stages
 
