@@ -63,7 +63,8 @@ def add_emulation_flags(p: argparse.ArgumentParser) -> None:
                    help="pace every device to an emulated accelerator running a model, e.g. h100:7b "
                    "(accelerators h100, h200, a100; models 7b, 32b, 70b); `none`: unpaced (cluster.emulate)")
     p.add_argument("--time-scale", type=float, metavar="X",
-                   help="emulated seconds per wall second (cluster.time_scale; default 20)")
+                   help="emulated seconds per wall second of paced work (cluster.time_scale; default 20, also "
+                   "when --emulate replaces a preset's emulation)")
 
 
 def resolve_config(args: argparse.Namespace, base: dict | None = None):
@@ -82,11 +83,9 @@ def resolve_config(args: argparse.Namespace, base: dict | None = None):
         flags.setdefault("cluster", {})["rollout_devices"] = max(1, args.devices // 2)
     if args.address:
         flags.setdefault("cluster", {})["address"] = args.address
-    if getattr(args, "emulate", None):
+    if getattr(args, "emulate", None):  # a preset's time scale goes with its emulation: --emulate resets it
         unpaced = args.emulate.strip().lower() in UNPACED
-        flags.setdefault("cluster", {})["emulate"] = None if unpaced else args.emulate
-        if unpaced:
-            flags["cluster"]["time_scale"] = None  # a preset's scale goes with its emulation
+        flags.setdefault("cluster", {}).update(emulate=None if unpaced else args.emulate, time_scale=None)
     if getattr(args, "time_scale", None) is not None:
         flags.setdefault("cluster", {})["time_scale"] = args.time_scale
     if args.steps is not None:
