@@ -28,10 +28,13 @@ def default() -> dict:
         # legal splits are 1..4 rollout devices. 60 emulated seconds per wall second: a step of
         # ~240 emulated seconds lasts ~4 s, well above the real work of a few tokens per sample.
         "cluster": {"devices": 6, "rollout_devices": 4, "emulate": "a100:7b", "time_scale": 60.0},
-        # 32 x 8 samples; each really generates <= 8 tokens (its length from the workload scaled
-        # to max_new_tokens), while its emulated length is the workload's own (up to 16k tokens).
-        "rollout": {"prompts_per_step": 32, "samples_per_prompt": 8, "max_new_tokens": 8, "batch_rows": 16,
-                    "synthetic_lengths": True, "length_workload": "cap-raise"},
+        # The real work stays far below the paced time: 32 x 8 samples, each really generating
+        # <= 8 tokens (its length from the workload scaled to max_new_tokens; its emulated length
+        # is the workload's own, up to 16k tokens) after the prompt's last 4 tokens (the example
+        # words), on a Qwen2 smaller than the built-in one (0.25M parameters: ~10x less compute).
+        "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1},
+        "rollout": {"prompts_per_step": 32, "samples_per_prompt": 8, "max_new_tokens": 8, "max_prompt_tokens": 4,
+                    "batch_rows": 16, "synthetic_lengths": True, "length_workload": "cap-raise"},
         # A 20-step run: the gain horizon is a few steps, not the 20 of a long job. The move-cost
         # prior stays the GPU default (10 emulated seconds) until the first move is measured.
         "policy": {"name": "hysteresis", "horizon_steps": 6},

@@ -27,7 +27,8 @@ def _config():
     return build_config(merge(preset("cpu"), {
         "steps": STEPS,
         "cluster": {"devices": 8, "rollout_devices": 4, "emulate": "h200:7b", "time_scale": TIME_SCALE},
-        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 4, "length_workload": "short-tail"},
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 4,
+                    "length_workload": "short-tail"},
         "train": {"micro_batch_size": 16},
         "policy": {"name": "scripted", "schedule": "2:5"},  # one move to rollout, decided after step 1
     }))

@@ -231,3 +231,21 @@ def test_router_sends_each_device_its_replica_at_once():
     unpaced = DriverPacing(_cfg())
     assert unpaced.rollout_chunks(2, groups, 4) == groups and unpaced.train_s(2, 4) is None
     assert math.isclose(pacing.train_s(2, 4), pacing.emulator.train_s(2, 4))
+
+
+def test_emulate_flag_replaces_the_presets_emulation_and_its_time_scale():
+    from dynaresize.cli import build_parser
+    from dynaresize.commands.run import resolve_config
+
+    parser = build_parser()
+
+    def cluster(*argv):
+        return resolve_config(parser.parse_args(["run", *argv])).cluster
+
+    demo = cluster()
+    assert demo.emulate == "a100:7b" and demo.time_scale is not None  # the demo's own scale
+    assert (cluster("--emulate", "h100:7b", "--devices", "16").time_scale, cluster("--emulate", "h100:7b").emulate) \
+        == (None, "h100:7b")
+    assert cluster("--emulate", "h100:7b", "--time-scale", "25").time_scale == 25.0
+    unpaced = cluster("--emulate", "none")
+    assert unpaced.emulate is None and unpaced.time_scale is None

@@ -275,8 +275,8 @@ class Cluster:
             per[devices[i % len(devices)]].append((i, mb))
         self.reach("train", step, devices)
         pace_s = self.pacing.train_s(step, len(devices))
-        refs = [self.pacing.call(self.workers[d], "train", step, per[d], len(micro_batches), total_tokens, pace_s=pace_s)
-                for d in devices]
+        refs = [self.pacing.call(self.workers[d], "train", step, per[d], len(micro_batches), total_tokens,
+                                 pace_s=pace_s) for d in devices]
         stats = self.wait(list(zip(devices, refs)), f"train {step}")
         for st in stats:
             self.pacing.note(st)

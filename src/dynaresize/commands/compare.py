@@ -38,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="run policies on the emulated runtime and in the simulator, side by side",
                        description="Run the same job once per policy on the real runtime (emulated accelerators) "
                        "and once in the simulator, and compare measured with predicted times.")
-    p.add_argument("--policies", required=True, help="comma-separated runtime policies, e.g. static-profiled,hysteresis")
+    p.add_argument("--policies", required=True,
+                   help="comma-separated runtime policies, e.g. static-profiled,hysteresis")
     p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting config (default: default)")
     p.add_argument("--config", metavar="FILE", help="TOML, YAML or JSON config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
@@ -107,10 +108,10 @@ def main(args: argparse.Namespace) -> int:
                 pred = predict(cfg, recorder=rec)
                 rec.emit("summary", summary=pred.summary())
             results.append(_row(name, cfg, summary, steps, pred))
-            origin = steps[0]["t_start_s"] if steps else 0.0  # the prologue's start, as in the simulator
+            origin = steps[0]["t_start_s"] if steps else 0.0  # step 0 holds the prologue in both
             timelines[name] = {"measured": [(s["t_start_s"] - origin, s["t_end_s"] - origin, s["num_rollout"])
                                             for s in steps],
-                               "predicted": [(t0, t1, r) for _, t0, t1, r in pred.timeline]}
+                               "predicted": [(0.0 if k == 0 else t0, t1, r) for k, t0, t1, r in pred.timeline]}
     finally:
         if started_ray:
             import ray
@@ -174,7 +175,8 @@ def format_table(doc: dict) -> str:
     for r in rows:
         lines.append(f"{r['policy']:<18}{r['samples_per_s']:>10.3f}{r['samples_per_s'] / base:>8.3f}x"
                      f"{r['predicted_samples_per_s']:>10.3f}{r['predicted_samples_per_s'] / base_p:>8.3f}x"
-                     f"{r['prediction_error']:>+8.1%}{r['idle_fraction']:>7.1%}{r['resizes']:>8}{r['predicted_resizes']:>6}"
+                     f"{r['prediction_error']:>+8.1%}{r['idle_fraction']:>7.1%}{r['resizes']:>8}"
+                     f"{r['predicted_resizes']:>6}"
                      f"{r['overhead_fraction']:>9.1%}{r['overrun_steps']:>8}{'ok' if r['ledger_ok'] else 'FAIL':>7}")
     lines.append("error = predicted total time / measured - 1; overhead = share of the measured time the driver, "
                  "controller and Ray added beyond the paced work")
