@@ -38,6 +38,8 @@ class ClusterConfig:
     cpus_per_device: float = 0.5  # Ray CPU resources per worker on CPU devices
     torch_threads: int = 1  # fixed: bitwise-reproducible math needs a fixed thread count
     placement_strategy: str = "PACK"  # how the device bundles go onto Ray nodes (docs/cluster.md)
+    emulate: str | None = None  # "ACCEL:MODEL" (e.g. h100:7b): pace every device to that accelerator (emulate.py)
+    time_scale: float | None = None  # emulated seconds per wall second (with emulate; None: emulate.DEFAULT_TIME_SCALE)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.devices >= 2, "devices", self.devices, "needs at least 2 devices")
@@ -304,6 +306,10 @@ class RunConfig:
             err.need(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts,
                      "must be >= 1 for the built-in task's held-out prompts")
         p, c = self.policy, self.cluster
+        from dynaresize.emulate import check_config  # emulated accelerators (emulate.py)
+
+        for path, value, message in check_config(self):
+            err.add(path, value, message)
         if c.devices >= 2:
             err.need(p.min_rollout + p.min_train <= c.devices, "policy.min_rollout", p.min_rollout,
                      f"min_rollout + min_train ({p.min_rollout}+{p.min_train}) exceeds devices ({c.devices})")

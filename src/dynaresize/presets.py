@@ -1,8 +1,16 @@
 """Presets: plain functions returning a nested config dict (before files, flags and --set).
 
-`default` is the embedded job `dynaresize run` runs with no arguments: local Ray, 4 CPU
-devices, the tiny Qwen2, the toy task, the hysteresis policy and synthetic long-tail lengths
-whose mean first falls then rises, so resizes happen in both directions.
+`default` is the embedded demo `dynaresize run` (and `make demo`) runs with no arguments: a
+local Ray with 6 device workers paced as A100s running a 7B model (`cluster.emulate`, see
+docs/emulate.md), the tiny Qwen2 really generating and training on the toy task, the hysteresis
+policy, and synthetic lengths of the `cap-raise` workload, whose length cap doubles at the
+run's midpoint: before it training is the slower stage and the policy gives it a device; after
+it the released tail makes rollout the slower one and the policy takes a device back. Because
+every device is paced to the same emulated hardware, the resizes and their gain do not depend
+on how fast or loaded this machine is.
+
+`cpu` is the same kind of job at this machine's own speed (no emulation): 4 CPU devices, the
+`demo` workload; `user` starts from it for real prompts. Tests build on `cpu`.
 """
 
 from __future__ import annotations
@@ -14,14 +22,39 @@ from dynaresize.errors import ConfigError
 
 def default() -> dict:
     return {
+        "steps": 20,
+        "seed": 0,
+        # A100 80 GB x 6 emulated: a 7B needs >= 2 training devices (its training state), so the
+        # legal splits are 1..4 rollout devices. 60 emulated seconds per wall second: a step of
+        # ~240 emulated seconds lasts ~4 s, well above the real work of a few tokens per sample.
+        "cluster": {"devices": 6, "rollout_devices": 4, "emulate": "a100:7b", "time_scale": 60.0},
+        # The real work stays far below the paced time: 32 x 8 samples, each really generating
+        # <= 8 tokens (its length from the workload scaled to max_new_tokens; its emulated length
+        # is the workload's own, up to 16k tokens) after the prompt's last 4 tokens (the example
+        # words), on a Qwen2 smaller than the built-in one (0.25M parameters: ~10x less compute).
+        "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1},
+        "rollout": {"prompts_per_step": 32, "samples_per_prompt": 8, "max_new_tokens": 8, "max_prompt_tokens": 4,
+                    "batch_rows": 16, "synthetic_lengths": True, "length_workload": "cap-raise"},
+        # A 20-step run: the gain horizon is a few steps, not the 20 of a long job. The move-cost
+        # prior stays the GPU default (10 emulated seconds) until the first move is measured.
+        "policy": {"name": "hysteresis", "horizon_steps": 6},
+        "train": {"lr": 5e-3, "micro_batch_size": 64},
+    }
+
+
+def cpu() -> dict:
+    """The job at this machine's own speed: 4 CPU devices, nothing paced, the `demo` workload
+    (its mean length falls then rises, so resizes can go both ways when this machine's stage
+    times let them pay)."""
+    return {
         "steps": 30,
         "seed": 0,
         "cluster": {"devices": 4, "rollout_devices": 3},
         "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 128,
                     "synthetic_lengths": True, "length_workload": "demo"},
-        # Resizes on this CPU demo cost well under a second (measured); the default prior
+        # Resizes on this CPU job cost well under a second (measured); the default prior
         # (10 s, a GPU cluster's warm join) would veto every move before the first is measured.
-        # A 24-step run: the gain horizon is a few steps, not the 20 of a long GPU job.
+        # A short run: the gain horizon is a few steps, not the 20 of a long GPU job.
         "policy": {"name": "hysteresis", "move_cost_prior_s": 0.5, "horizon_steps": 6},
         "train": {"lr": 5e-3},
     }
@@ -42,14 +75,16 @@ def deterministic() -> dict:
 
 
 def user() -> dict:
-    """A starting point for real prompts: natural response lengths (EOS), hysteresis policy."""
-    cfg = default()
+    """A starting point for real prompts: natural response lengths (EOS), hysteresis policy,
+    this machine's own speed."""
+    cfg = cpu()
     cfg["rollout"] = {**cfg["rollout"], "synthetic_lengths": False}
     return cfg
 
 
 PRESETS: dict[str, Callable[[], dict]] = {
     "default": default,
+    "cpu": cpu,
     "static": static,
     "deterministic": deterministic,
     "user": user,

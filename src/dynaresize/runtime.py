@@ -34,6 +34,7 @@ from dynaresize.cluster.watchdog import DevicesLost
 from dynaresize.config import RunConfig, config_to_dict
 from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
+from dynaresize.emulate import run_bounds
 from dynaresize.errors import RewardError
 from dynaresize.evaluation import Evaluator
 from dynaresize.job import Job, ScoredStep
@@ -44,8 +45,9 @@ from dynaresize.recovery import Recovery, stop_run
 from dynaresize.rl import grpo
 from dynaresize.roles.base import resolve_engine
 from dynaresize.stepstate import StepRollout, Window, rollout_version
+from dynaresize.steptiming import StepTiming
 from dynaresize.tracking import check_backends, open_sinks
-from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan, StepReport
+from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan, StepReport
 
 
 OP_EXTRAS = ("peak_staging_bytes", "kv_cache_bytes")  # op-record fields only some ops have
@@ -79,6 +81,7 @@ class Run:
         if resume:
             resume_records(self, resume)
         self.cluster = Cluster(cfg, on_event=self._on_event)
+        self.timing = StepTiming(cfg, self.cluster.pacing.clock)  # emulated seconds, work and overhead
         self.snapshots: dict[int, snapshot.Snapshot] = {}  # version -> trainer state (or weights only)
         self.rollouts: dict[int, StepRollout] = {}
         self.pending: ResizeOutcome | None = None
@@ -92,8 +95,7 @@ class Run:
             cfg.cluster.devices, cfg.cluster.rollout_devices, config_to_dict(cfg)["policy"])
         if same:  # resumed on the same devices with the same policy: it goes on where it was
             return state["controller"], state["controller"].assignment
-        bounds = Bounds(num_devices=cfg.cluster.devices, min_rollout=cfg.policy.min_rollout,
-                        min_train=cfg.policy.min_train, move_unit=cfg.policy.move_unit)
+        bounds = run_bounds(cfg)  # the policy's limits (raised to an emulated accelerator's)
         policy = make_policy(cfg.policy, bounds, num_steps=cfg.steps)
         # A policy may name its split from step 0 (static:R, a scripted step-0 entry).
         start = None if state else getattr(policy, "start_rollout", None)
@@ -110,7 +112,7 @@ class Run:
         return controller, assignment
 
     def rel(self, t: float) -> float:
-        return t - self.t0
+        return self.timing.clock.span(self.t0, t)
 
     def _on_event(self, kind: str, fields: dict) -> None:
         self.rec.emit(kind, **fields)
@@ -254,24 +256,31 @@ class Run:
         a, step, scored, train_stats, sync = self.assignment, w.step, w.scored, w.trained, w.synced
         rolled = self.rollouts.get(step + 1) if step + 1 < self.cfg.steps else None
         t_end = time.time()
+        c = self.timing.clock  # wall -> the run's seconds (emulated ones with cluster.emulate: steptiming.py)
         train_t0 = min(s["t0"] for s in train_stats)
-        train_s = max(s["t1"] for s in train_stats) - train_t0
-        sync_s = (max(s["t1"] for s in sync) - min(s["t0"] for s in sync)) if sync else 0.0
+        train_s = c.span(train_t0, max(s["t1"] for s in train_stats))
+        sync_s = c.span(min(s["t0"] for s in sync), max(s["t1"] for s in sync)) if sync else 0.0
         for s in sync:
             self.rec.emit("span", device=s["device"], name="weight_sync", start_s=self.rel(s["t0"]),
                           end_s=self.rel(s["t1"]), step=step)
-        rollout_s = (rolled.t1 - rolled.t0) if rolled else 0.0
-        busy = sum(s["t1"] - s["t0"] for s in train_stats) + (sum(rolled.busy_s.values()) if rolled else 0.0)
-        window = t_end - w.t0
-        tail_idle = sum(rolled.t1 - rolled.last_end[d] for d in rolled.busy_s) if rolled else 0.0
-        longest = max((t1 - t0 for _, t0, t1 in rolled.calls), default=0.0) if rolled else 0.0
+        rollout_s = c.span(rolled.t0, rolled.t1) if rolled else 0.0
+        calls = rolled.calls if rolled else []
+        rollout_work = sum(c.span(t0, t1) for _, t0, t1 in calls)
+        busy = sum(c.span(s["t0"], s["t1"]) for s in train_stats) + rollout_work
+        window = c.span(w.t0, t_end)
+        tail_idle = sum(c.span(rolled.last_end[d], rolled.t1) for d in rolled.busy_s) if rolled else 0.0
+        longest = max((c.span(t0, t1) for _, t0, t1 in calls), default=0.0)
+        timing = self.timing.step(window_t0=w.t0, t_end=t_end, prologue=self.rollouts.get(step), rolled=rolled,
+                                  train_stats=train_stats, sync=sync, step=step,
+                                  stage_calls=self.cluster.pacing.take_stage_calls())  # work, overhead (steptiming.py)
         report = StepReport(
             step=step, now_s=self.rel(t_end), num_rollout=a.num_rollout, num_train=a.num_train,
             rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, step_s=window,
-            rollout_work_s=sum(rolled.busy_s.values()) if rolled else 0.0, rollout_longest_s=longest,
+            rollout_work_s=rollout_work, rollout_longest_s=longest,
             rollout_floor_s=longest, num_samples=len(scored.samples), response_tokens=scored.num_tokens,
             idle_device_s=max(0.0, a.num_devices * window - busy), tail_idle_device_s=tail_idle,
             resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens)
+        report = self.timing.report(report, step + 1 if rolled else None)
         self.last_critical_s = None
         self.rec.emit("step", step=step, t_start_s=self.rel(w.t0), t_end_s=self.rel(t_end),
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, num_rollout=a.num_rollout,
@@ -281,7 +290,7 @@ class Run:
                       response_len_mean=scored.num_tokens / max(1, len(scored.samples)),
                       response_len_max=scored.longest_tokens,
                       rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
-                      recoveries=w.recoveries, **train_fields(train_stats))
+                      recoveries=w.recoveries, **train_fields(train_stats), **timing)
         return report
 
     def _decide(self, step: int, report: StepReport) -> None:
@@ -300,7 +309,8 @@ class Run:
         outcome = self.cluster.resize(plan, version=step + 1, step=step,
                                       background_moments=self.cfg.reshard.background_moments)
         self.assignment = plan.dst
-        critical_s = outcome.critical_end - outcome.t_decide
+        critical_s = self.timing.clock.span(outcome.t_decide, outcome.critical_end)
+        self.timing.on_resize(outcome)
         self.last_critical_s = critical_s
         self.controller.on_resize_done(plan.resize_id, critical_s, critical_s)
         self.pending = outcome
@@ -320,7 +330,8 @@ class Run:
         as_ids = lambda a: {k: [ids[r] for r in v] for k, v in a.to_json().items()}  # noqa: E731
         rec = self.rec.emit("resize", resize_id=plan.resize_id, step=plan.step, **{"from": as_ids(plan.src)},
                             to=as_ids(plan.dst), moving=[ids[r] for r in plan.moving], to_role=plan.to_role,
-                            critical_s=o.critical_end - o.t_decide, total_s=total_end - o.t_decide,
+                            critical_s=self.timing.clock.span(o.t_decide, o.critical_end),
+                            total_s=self.timing.clock.span(o.t_decide, total_end),
                             t_s=self.rel(o.t_decide), groups_created_critical=o.groups_created_critical,
                             reason=plan.reason)
         self.resizes.append(rec)
@@ -358,6 +369,7 @@ class Run:
             "rollout_engine": resolve_engine(self.cfg), "train_dtype": self.cfg.train.dtype,
             "eval": self.evaluator.last,
         }
+        summary.update(self.timing.summary(consumed, total_s))  # time unit, overhead, overruns (steptiming.py)
         self.rec.emit("summary", summary=summary)
         self.rec.close()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))

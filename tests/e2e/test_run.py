@@ -30,7 +30,7 @@ def ray_local():
 
 
 def _cfg(**over):
-    data = preset("default")
+    data = preset("cpu")  # this machine's own speed: nothing paced
     data["cluster"] = {**data["cluster"], "rollout_devices": 2}
     data["rollout"] = {**data["rollout"], "prompts_per_step": 4, "max_new_tokens": 24}
     for key, value in over.items():
@@ -116,6 +116,14 @@ def test_run_directory_is_complete(deterministic_pair):
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     gen = model.generate(torch.tensor([[1, 5, 6]]), max_new_tokens=5, do_sample=False)
     assert gen.shape == (1, 8)
+
+
+def test_unpaced_run_reports_work_and_overhead_in_wall_seconds(deterministic_pair):
+    out, summary, _, _ = deterministic_pair
+    assert summary["emulate"] is None and summary["time_unit"] == "wall seconds" and summary["overrun_steps"] == 0
+    steps = list(read_records(out / "records.jsonl", "step"))
+    assert all(r["work_s"] > 0 and r["overhead_s"] >= -1e-6 and r["overrun"] is False for r in steps)
+    assert sum(r["work_s"] + r["overhead_s"] for r in steps) == pytest.approx(summary["steps_time_s"], rel=1e-6)
 
 
 def test_bad_config_exits_2_without_traceback(tmp_path):

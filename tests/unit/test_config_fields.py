@@ -120,7 +120,7 @@ def _nested(path: str, value: Any) -> dict:
 
 
 def _data(*layers: dict) -> dict:
-    data = merge(preset("default"), TINY)
+    data = merge(preset("cpu"), TINY)
     for layer in layers:
         data = merge(data, _resolve(layer))
     return data
@@ -658,6 +658,16 @@ def _moments(cfg: RunConfig) -> tuple:
             [(name, d) for name, d, _ in ctx.out.background])
 
 
+def _paced_wall_s(cfg: RunConfig) -> tuple:
+    """Wall seconds the driver paces a training call and a weight sync to (cluster/pacing.py)."""
+    from dynaresize.cluster.pacing import DriverPacing
+
+    pacing = DriverPacing(cfg)
+    if not pacing.on:
+        return None
+    return round(pacing.train_s(0, 2) / pacing.time_scale, 9), round(pacing.sync_s() / pacing.time_scale, 9)
+
+
 def _job(cfg: RunConfig) -> Any:
     from dynaresize.job import Job
 
@@ -689,6 +699,12 @@ EVIDENCE: dict[str, tuple] = {
                                    Runtime("tests/e2e/test_multinode.py::test_node_lost_mid_run_recovers_on_the_survivors",
                                            "with placement_strategy=SPREAD the run's devices are on both nodes of a "
                                            "2-node cluster")),
+    "cluster.emulate": (Probe("h100:7b", _paced_wall_s, base={"cluster": {"rollout_devices": 2}}),
+                        Refused("tpu:7b", "cluster.emulate='tpu:7b'"),
+                        Runtime("tests/dist/test_emulate_run.py::test_stages_last_their_modelled_time_unless_flagged",
+                                "each rollout and training call of an emulated run lasts its modelled time")),
+    "cluster.time_scale": (Probe(30.0, _paced_wall_s, base={"cluster": {"emulate": "a100:7b", "rollout_devices": 2}}),
+                           Refused(0, "cluster.time_scale=0", base={"cluster": {"emulate": "a100:7b", "rollout_devices": 2}})),
     "model.path": (Probe(HF_DIR, _model),),
     "model.hidden_size": (Probe(64, _model),),
     "model.num_layers": (Probe(2, _model),),

@@ -25,6 +25,7 @@ import ray
 
 from dynaresize.cluster import placement
 from dynaresize.cluster.faults import FaultInjector, parse_faults
+from dynaresize.cluster.pacing import DriverPacing
 from dynaresize.cluster.placement import actor_options, make_placement_group, release_placement_group
 from dynaresize.cluster.watchdog import DevicesLost, Watchdog
 from dynaresize.cluster.worker import BACKGROUND_TAG, remote_worker_class
@@ -32,8 +33,9 @@ from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import rank_sets_for_split
 from dynaresize.config import RunConfig, config_to_dict
 from dynaresize.control import planner
+from dynaresize.emulate import run_bounds
 from dynaresize.roles.base import GenRequest
-from dynaresize.types import ROLLOUT, TRAIN, Assignment, Bounds, ResizePlan
+from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan
 
 PREWARM_ALL_SPLITS = 8  # up to this many legal splits, pre-warm the groups of all of them
 
@@ -74,8 +76,8 @@ class Cluster:
         self._started_ray = False
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dynaresize-driver")
         self.assignment: Assignment | None = None
-        self.bounds = Bounds(num_devices=cfg.cluster.devices, min_rollout=cfg.policy.min_rollout,
-                             min_train=cfg.policy.min_train, move_unit=cfg.policy.move_unit)
+        self.bounds = run_bounds(cfg)  # the policy's limits (raised to an emulated accelerator's)
+        self.pacing = DriverPacing(cfg)  # emulated accelerators: what each call is paced to (pacing.py)
         # Faults (docs/faults.md): ranks are renumbered 0..M-1 after a loss; `ids[rank]` is the
         # device id of the first generation, the one records use. Every wait has a deadline.
         self.ids: list[int] = list(range(self.num_devices))
@@ -251,6 +253,7 @@ class Cluster:
         inflight: dict[Any, int] = {}
         sent: dict[Any, list[GenRequest]] = {}
         free = [d for d in devices if d not in self.watchdog.lost]
+        queue = self.pacing.rollout_chunks(step, queue, len(free))  # emulated: one batch per device
         out: list[tuple[int, Any]] = []
         busy = {ids[d]: 0.0 for d in devices}
         last_end = {ids[d]: t0 for d in devices}
@@ -260,7 +263,8 @@ class Cluster:
         while queue or inflight:
             while queue and free:
                 d = free.pop(0)
-                ref = self.workers[d].generate.remote(queue[0], step)
+                pace_s = getattr(queue[0], "pace_s", None)  # emulated busy seconds (pacing.py)
+                ref = self.pacing.call(self.workers[d], "generate", queue[0], step, pace_s=pace_s)
                 inflight[ref], sent[ref] = d, queue.pop(0)
             if not inflight:
                 break  # groups left and no rollout device left: the caller recovers first
@@ -269,6 +273,7 @@ class Cluster:
                 sent.pop(ref)
                 if not ok:
                     raise res  # the engine's own error, not a lost device: nothing to retry
+                self.pacing.note(res)
                 out.extend((ids[d], r) for r in res["results"])
                 busy[ids[d]] += res["t1"] - res["t0"]
                 last_end[ids[d]] = max(last_end[ids[d]], res["t1"])
@@ -289,10 +294,14 @@ class Cluster:
         for i, mb in enumerate(micro_batches):
             per[devices[i % len(devices)]].append((i, mb))
         self.reach("train", step, devices)
-        refs = [self.workers[d].train.remote(step, per[d], len(micro_batches), total_tokens) for d in devices]
+        pace_s = self.pacing.train_s(step, len(devices))
+        refs = [self.pacing.call(self.workers[d], "train", step, per[d], len(micro_batches), total_tokens,
+                                 pace_s=pace_s) for d in devices]
         leavers, self.deferred_moments = self.deferred_moments, ()  # NCCL: their sends match this step's receives
         flushed = [(d, self.workers[d].flush_moments.remote()) for d in leavers]
         stats = self.wait(list(zip(devices, refs)) + flushed, f"train {step}")[:len(devices)]
+        for st in stats:
+            self.pacing.note(st)
         return [{**st, "device": self.ids[d]} for d, st in zip(devices, stats)]
 
     def sync_weights(self, version: int, step: int) -> list[dict]:
@@ -305,8 +314,10 @@ class Cluster:
         ranks = tuple(sorted((train[0], *rollout)))
         devices = tuple(sorted(set(train) | set(rollout)))
         self.reach("weight_sync", step, ranks)
-        out = self.wait([(d, self.workers[d].sync_weights.remote(train[0], ranks, version, step)) for d in devices],
-                        f"weight sync {version}")
+        out = self.wait([(d, self.pacing.call(self.workers[d], "sync_weights", train[0], ranks, version, step,
+                                              pace_s=self.pacing.sync_s())) for d in devices], f"weight sync {version}")
+        for r in out:
+            self.pacing.note(r, stage=False)
         return [{**r, "device": self.ids[d]} for d, r in zip(devices, out) if d in ranks]
 
     # ------------------------------------------------------------------ resize

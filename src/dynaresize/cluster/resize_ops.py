@@ -28,7 +28,9 @@ What each op does (train -> rollout, then rollout -> train):
 - prewarm_groups: communicators of the splits the policy may pick next (background).
 
 Each handler appends one entry per device it ran on (name, device, epoch t0/t1, bytes) to the
-outcome: the runtime turns them into `op` records.
+outcome: the runtime turns them into `op` records. With an emulated accelerator
+(`cluster.emulate`) each critical op then lasts `sim.costs.op_cost` of its name (the driver
+waits out the rest) and background ops are paced on the workers' background thread.
 """
 
 from __future__ import annotations
@@ -81,9 +83,11 @@ class ResizeContext:
                 self.out.critical_end = max(self.out.critical_end, r["t1"])
 
     def background(self, name: str, devices, method: str, *args: Any) -> None:
-        """Start `method` on each device's background thread; its result is recorded later."""
-        w = self.cluster.workers
-        refs = [(name, d, getattr(w[d], method).remote(*args)) for d in devices]
+        """Start `method` on each device's background thread; its result is recorded later
+        (emulated: paced there to the op's cost, cluster/pacing.py)."""
+        w, pacing = self.cluster.workers, self.cluster.pacing
+        pace_s = pacing.op_s(name, self.plan)
+        refs = [(name, d, pacing.call(w[d], method, *args, pace_s=pace_s, bg=True)) for d in devices]
         self.out.background += refs
 
 
@@ -190,5 +194,9 @@ def execute(ctx: ResizeContext) -> None:
     missing = [n for n in names if n not in HANDLERS]
     if missing:
         raise ValueError(f"resize plan {ctx.plan.resize_id}: no handler for ops {missing}")
+    critical = {op.name for op in ctx.plan.ops if op.critical}
     for name in names:
+        start, first = time.time(), len(ctx.out.ops)
         HANDLERS[name](ctx)
+        if name in critical:  # emulated: the op lasts its modelled cost (cluster/pacing.py)
+            ctx.cluster.pacing.after_op(name, start, ctx.out, ctx.plan, first)

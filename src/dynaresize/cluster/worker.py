@@ -36,6 +36,7 @@ import ray
 import torch
 
 from dynaresize.cluster.faults import fire
+from dynaresize.cluster.pacing import PacedMixin
 from dynaresize.cluster.worker_recovery import RecoveryMixin
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import CommPool
@@ -58,7 +59,7 @@ def local_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-class DeviceWorker(RecoveryMixin):
+class DeviceWorker(RecoveryMixin, PacedMixin):
     """The actor body (wrapped by `ray.remote` in `remote_worker_class`)."""
 
     def __init__(self, device: int, config: dict) -> None:

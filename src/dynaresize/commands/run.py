@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from dynaresize.config import apply_overrides, build_config, load_file, merge
+from dynaresize.emulate import UNPACED
 from dynaresize.presets import PRESETS, preset
 
 
@@ -47,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="deterministic mode: same tokens and final parameters as a static run")
     p.add_argument("--seed", type=int, help="run seed")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    add_emulation_flags(p)
     p.add_argument("--inject", dest="faults", action="append", default=[], metavar="KIND:DEVICE@POINT:STEP",
                    help="inject a fault: KIND kill|stop|node, POINT rollout|train|weight_sync|resize.reshard|"
                    "resize.switch, e.g. kill:1@train:3 (repeatable; docs/faults.md)")
@@ -54,6 +56,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(with --steps K, --devices N, --rollout-devices R to change them)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
+
+
+def add_emulation_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--emulate", metavar="ACCEL:MODEL",
+                   help="pace every device to an emulated accelerator running a model, e.g. h100:7b "
+                   "(accelerators h100, h200, a100; models 7b, 32b, 70b); `none`: unpaced (cluster.emulate)")
+    p.add_argument("--time-scale", type=float, metavar="X",
+                   help="emulated seconds per wall second of paced work (cluster.time_scale; default 20, also "
+                   "when --emulate replaces a preset's emulation)")
 
 
 def resolve_config(args: argparse.Namespace, base: dict | None = None):
@@ -72,6 +83,11 @@ def resolve_config(args: argparse.Namespace, base: dict | None = None):
         flags.setdefault("cluster", {})["rollout_devices"] = max(1, args.devices // 2)
     if args.address:
         flags.setdefault("cluster", {})["address"] = args.address
+    if getattr(args, "emulate", None):  # a preset's time scale goes with its emulation: --emulate resets it
+        unpaced = args.emulate.strip().lower() in UNPACED
+        flags.setdefault("cluster", {}).update(emulate=None if unpaced else args.emulate, time_scale=None)
+    if getattr(args, "time_scale", None) is not None:
+        flags.setdefault("cluster", {})["time_scale"] = args.time_scale
     if args.steps is not None:
         flags["steps"] = args.steps
     if args.seed is not None:
@@ -114,6 +130,8 @@ def main(args: argparse.Namespace) -> int:
         cfg = resolve_config(args)
         out = args.out
     _check_faults(cfg)
+    if cfg.cluster.emulate:
+        print(emulation_banner(cfg), flush=True)
     from dynaresize.runtime import run_job
 
     try:
@@ -125,6 +143,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"dynaresize: run stopped: {exc}", file=sys.stderr)
         return 1
     print(format_summary(summary, out))
+    if cfg.cluster.emulate and not summary.get("stopped"):
+        print(format_prediction(cfg, summary))
     warn_unfired(summary)
     return 0 if summary["ledger_ok"] else 1
 
@@ -151,11 +171,44 @@ def format_summary(s: dict, out: str) -> str:
         f"communicators     world inits {s['world_inits_max']}, groups created {s['groups_created']} "
         f"(on a resize's critical path: {s['groups_created_critical']})",
     ]
+    if "overhead_s" in s:
+        lines.append(f"time unit         {s['time_unit']}" + (f"; wall {s['wall_time_s']:.0f} s with startup"
+                                                              if s.get("emulate") else ""))
+        lines.append(f"overhead          {s['overhead_s']:.1f} s of {s['steps_time_s']:.1f} s "
+                     f"({s['overhead_fraction']:.1%}: driver, controller, Ray)"
+                     + (f"; steps that overran their paced time: {s['overrun_steps']}" if s.get("emulate") else ""))
     if s.get("faults_injected") or s.get("recoveries"):
         times = ", ".join(f"{r['recovery_s']:.1f}s" for r in s.get("recoveries", []))
         lines.append(f"faults            injected {s['faults_injected']}, recovered {s['faults_recovered']}  "
                      f"(recoveries: {times or 'none'}; devices now {s['devices_final']})")
     return "\n".join(lines)
+
+
+def emulation_banner(cfg) -> str:
+    from dynaresize.emulate import time_scale_of
+
+    return (f"dynaresize: emulated timing: every device paces its real work to a {cfg.cluster.emulate} "
+            f"(accelerator:model) at {time_scale_of(cfg.cluster):g} emulated seconds per wall second; times "
+            f"below are emulated seconds. Unpaced (this machine's own speed): add --emulate none")
+
+
+def format_prediction(cfg, s: dict) -> str:
+    """The run's throughput beside the simulator's prediction, for the same job, of the static
+    split it started from and of its own policy (emulated runs)."""
+    from dynaresize.emulate import best_static, predict, start_split
+
+    start = start_split(cfg)
+    static = predict(cfg, f"static:{start}")
+    own = predict(cfg)
+    best, best_rate = best_static(cfg)
+    measured = s["samples_per_s"]
+    return "\n".join([
+        f"vs static split   this run {measured:.3f} samples/s; the simulator predicts {static.samples_per_s:.3f} for "
+        f"the static split it started from ({start} rollout): {measured / static.samples_per_s:.2f}x",
+        f"prediction        the simulator predicts {own.samples_per_s:.3f} samples/s for this run's policy "
+        f"({own.resizes} resizes): measured/predicted {measured / own.samples_per_s:.3f}; the best fixed split "
+        f"in hindsight ({best} rollout) {best_rate:.3f}",
+    ])
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,5 @@
-"""Cost model: model presets on H100-class nodes, stage-time constants and resize op costs.
+"""Cost model: model presets on H100-class nodes (and named H200 / A100 devices), stage-time
+constants and resize op costs.
 
 Every constant cites REFERENCES.md (section numbers). Status letters follow that file:
 [V] verified in the primary source, [S] secondary, [U] unverified, [D] derived, [A] an
@@ -33,8 +34,10 @@ GB = 1e9
 
 @dataclass(frozen=True, kw_only=True)
 class Hardware:
-    """One H100 SXM 80 GB device in an 8-GPU node with one 400 Gb/s NDR NIC per GPU."""
+    """One accelerator in an 8-device node with one NIC per device. The defaults are an H100
+    SXM 80 GB with a 400 Gb/s NDR NIC; `HARDWARE_PRESETS` names the others."""
 
+    name: str = "h100"
     hbm_bytes: float = 80 * GB  # H100 SXM (5)
     hbm_bw: float = 3.35e12  # H100 SXM HBM3 (5, [S])
     peak_flops: float = 989e12  # bf16 dense (vendor spec, [S])
@@ -42,6 +45,30 @@ class Hardware:
     pcie_h2d_bw: float = 35 * GB  # nvbandwidth H2D (5, [V])
     pcie_d2h_bw: float = 53 * GB  # nvbandwidth D2H (5, [V])
     devices_per_node: int = 8
+
+
+# Named accelerators (`--emulate ACCEL:MODEL`). Vendor figures are spec-sheet numbers [S]; the
+# achieved NIC and PCIe rates of the other parts are derived [D] by the ratios measured on H100
+# (NCCL 47 of 50 GB/s per NDR NIC; H2D 35 and D2H 53 of 63 GB/s over PCIe Gen5, REFERENCES 5).
+HARDWARE_PRESETS: dict[str, Hardware] = {
+    "h100": Hardware(),
+    # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s (REFERENCES 5, spec pages [S]);
+    # same node fabric (the MLCommons H200 system lists 400 Gb/s IB per GPU, REFERENCES 5 [V]).
+    "h200": Hardware(name="h200", hbm_bytes=141 * GB, hbm_bw=4.8e12),
+    # A100 SXM4 80 GB: HBM2e at 2.039 TB/s, 312 TFLOPS bf16 dense, PCIe Gen4 32 GB/s per direction
+    # (NVIDIA A100 datasheet [S]); one 200 Gb/s HDR NIC per GPU as in DGX A100 (NVIDIA DGX A100
+    # datasheet [S]): 25 GB/s nominal, 23.5 achieved [D]; PCIe 32 x 35/63 = 17.8 H2D, 32 x 53/63
+    # = 26.9 D2H [D].
+    "a100": Hardware(name="a100", hbm_bytes=80 * GB, hbm_bw=2.039e12, peak_flops=312e12, nic_bw=23.5 * GB,
+                     pcie_h2d_bw=17.8 * GB, pcie_d2h_bw=26.9 * GB),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    try:
+        return HARDWARE_PRESETS[name]
+    except KeyError:
+        raise ConfigError([f"accelerator={name!r}: unknown (known: {', '.join(HARDWARE_PRESETS)})"]) from None
 
 
 @dataclass(frozen=True, kw_only=True)

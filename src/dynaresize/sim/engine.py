@@ -154,7 +154,7 @@ def run_policy(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *
             ro = st["ro"]
             if lends and ro is not None and st["roll_end"] is None:
                 times, serial, _ = stages.replica_detail(st["k"] + 1, st["R"])
-                out = lend_step(times, serial, st["train_s"], st["n"], model)
+                out = lend_step(times, serial, st["train_s"], st["n"], model, stages.hw)
                 if out.lent:
                     st["lend"], st["version"] = out, st["version"] + 1
                     st["train_end"] = st["t0"] + out.back_s  # trainers are back before the next step
@@ -175,7 +175,7 @@ def run_policy(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *
             timing = None
             if k + 1 < K:
                 for cmd in ctl.on_report(report):
-                    timing = _apply(cmd, ctl, res, rec, now, model, k)
+                    timing = _apply(cmd, ctl, res, rec, now, model, k, stages.hw)
                     if timing is not None:
                         measured_cost = timing.critical_s
                 _decision(rec, ctl, k)
@@ -233,13 +233,13 @@ def _account(res: PolicyResult, st: dict, now: float, N: int, rec, measured_cost
                       rollout_floor_s=ro.floor_s if ro else 0.0)
 
 
-def _apply(cmd, ctl: Controller, res: PolicyResult, rec, now: float, model, k: int) -> ResizeTiming | None:
+def _apply(cmd, ctl: Controller, res: PolicyResult, rec, now: float, model, k: int, hw) -> ResizeTiming | None:
     if isinstance(cmd, Refusal):
         res.refusals += 1
         rec.emit("refused", step=cmd.step, requested_rollout=cmd.requested_rollout, reason=cmd.reason)
         return None
     assert isinstance(cmd, ResizePlan)
-    timing = time_plan(cmd, model)
+    timing = time_plan(cmd, model, hw)
     for op in timing.ops:
         rec.emit("op", resize_id=cmd.resize_id, name=op.name, device=op.device, start_s=now + op.start_s,
                  end_s=now + op.end_s, bytes=op.bytes, critical=op.critical)

@@ -124,7 +124,7 @@ def oracle_plan(table: StepTable, stages: StageModel, num_devices: int) -> tuple
     for i, a in enumerate(splits):
         for j, b in enumerate(splits):
             if a != b:
-                t = canonical_timing(stages.model, num_devices, a, b)
+                t = canonical_timing(stages.model, num_devices, a, b, stages.hw)
                 crit[i, j], opt_wait[i, j] = t.critical_s, t.optimizer_ready_s - t.critical_s
     K = table.rollout.shape[0]
     value = table.prologue + table.step_s()[0]

@@ -86,14 +86,15 @@ def time_plan(plan: ResizePlan, model: ModelPreset, hw: Hardware = Hardware()) -
 
 
 @lru_cache(maxsize=65536)
-def canonical_timing(model: ModelPreset, num_devices: int, src_rollout: int, dst_rollout: int) -> ResizeTiming:
+def canonical_timing(model: ModelPreset, num_devices: int, src_rollout: int, dst_rollout: int,
+                     hw: Hardware = Hardware()) -> ResizeTiming:
     """Timing of the plan from split `src_rollout` to `dst_rollout` (ops left out: the sweeps
     need only the totals, which are what the engine pays for the same move)."""
     moving = abs(dst_rollout - src_rollout)
     if moving == 0:
         return ResizeTiming(critical_s=0.0, total_s=0.0, optimizer_ready_s=0.0, ops=(), bytes_moved=0.0)
     to_role = ROLLOUT if dst_rollout > src_rollout else TRAIN
-    chain = chain_timing(model, to_role, num_devices - src_rollout, num_devices - dst_rollout, moving)
+    chain = chain_timing(model, to_role, num_devices - src_rollout, num_devices - dst_rollout, moving, hw)
     crit, total, opt, nbytes = _summarise(chain, moving)
     return ResizeTiming(critical_s=crit, total_s=total, optimizer_ready_s=opt, ops=(), bytes_moved=nbytes)
 

@@ -17,12 +17,11 @@ import numpy as np
 
 from dynaresize.config import PolicyConfig
 from dynaresize.errors import ConfigError
-from dynaresize.sim.costs import ModelPreset, get_model, min_train_devices
+from dynaresize.sim.costs import Hardware, ModelPreset, get_model, min_train_devices
 from dynaresize.sim.stages import Batch, StageModel
-from dynaresize.workload import get_workload, sample_lengths_array
 from dynaresize.types import Bounds
+from dynaresize.workload import SAMPLES_PER_PROMPT, batch_for_step, get_workload
 
-SAMPLES_PER_PROMPT = 16
 PROMPTS_PER_DEVICE = 2
 
 
@@ -37,6 +36,7 @@ class Scenario:
     samples_per_prompt: int = SAMPLES_PER_PROMPT
     batch_of: Callable[[int], Batch] = field(repr=False, compare=False, default=None)
     trace_samples: int | None = None  # a trace's trained samples over num_steps steps
+    hardware: Hardware = Hardware()  # the accelerator every device is
 
     def total_samples(self) -> int:
         """Samples trained over the run (every step trains one batch)."""
@@ -54,27 +54,26 @@ class Scenario:
         min_rollout = max(cfg.min_rollout, tp)
         min_rollout = -(-min_rollout // unit) * unit
         b = Bounds(num_devices=self.num_devices, min_rollout=min_rollout,
-                   min_train=max(cfg.min_train, min_train_devices(self.model)), move_unit=unit)
+                   min_train=max(cfg.min_train, min_train_devices(self.model, self.hardware)), move_unit=unit)
         if not b.splits():
             raise ConfigError([f"devices={self.num_devices}: too few for model {self.model.name} "
                                f"(rollout needs >= {b.min_rollout}, training >= {b.min_train})"])
         return b
 
     def stages(self, batch_cache: int = 4) -> StageModel:
-        """The stage model; `batch_cache` batches' arrays are kept (the streaming pipeline and its
-        sweeps revisit batches, so they keep up to ~4M samples' worth)."""
-        return StageModel(self.model, self.batch_of, batch_cache=batch_cache)
+        """The stage model on this scenario's hardware; `batch_cache` batches' arrays are kept (the
+        streaming pipeline and its sweeps revisit batches, so they keep up to ~4M samples' worth)."""
+        return StageModel(self.model, self.batch_of, self.hardware, batch_cache=batch_cache)
 
 
 def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model: str = "7b", seed: int = 0,
                       prompts_per_step: int | None = None) -> Scenario:
-    spec = get_workload(workload)
+    get_workload(workload)  # an unknown name is a ConfigError before anything runs
     _check(num_devices, num_steps)
     prompts = prompts_per_step or PROMPTS_PER_DEVICE * num_devices
 
-    def batch_of(b: int) -> Batch:
-        lengths = sample_lengths_array(spec, b, prompts, SAMPLES_PER_PROMPT, spec.cap_tokens, seed).ravel()
-        return Batch(lengths, np.full(lengths.shape, spec.prompt_tokens, dtype=np.int64))
+    def batch_of(b: int) -> Batch:  # the runtime's emulator calls the same function (emulate.py)
+        return batch_for_step(workload, b, prompts * SAMPLES_PER_PROMPT, seed, samples_per_prompt=SAMPLES_PER_PROMPT)
 
     return Scenario(name=workload, num_devices=num_devices, num_steps=num_steps, model=get_model(model), seed=seed,
                     prompts_per_step=prompts, batch_of=batch_of)

@@ -80,10 +80,10 @@ def resize_cost_table(scenario: Scenario, bounds, pilot: int) -> dict:
     for key, step in (("train_to_rollout", unit), ("rollout_to_train", -unit)):
         a = pilot if bounds.allowed(pilot + step) else pilot - step
         if bounds.allowed(a) and bounds.allowed(a + step):
-            t = canonical_timing(m, N, a, a + step)
+            t = canonical_timing(m, N, a, a + step, scenario.hardware)
             out[key] = {"from_rollout": a, "to_rollout": a + step, "critical_s": t.critical_s, "total_s": t.total_s,
                         "bytes": t.bytes_moved}
-    naive = naive_resize_cost(m, N)
+    naive = naive_resize_cost(m, N, scenario.hardware)
     out["naive"] = {"critical_s": naive.critical_s, "total_s": naive.total_s, "bytes": naive.bytes_moved}
     return out
 

@@ -65,6 +65,22 @@ def lengths_for_step(workload: str, step: int, n: int, seed: int, *, samples_per
     return [int(x) for x in lengths]
 
 
+def batch_for_step(workload: str, step: int, n: int, seed: int, *,
+                   samples_per_prompt: int = SAMPLES_PER_PROMPT) -> Batch:
+    """Step `step`'s first `n` samples at the workload's own lengths, with their prompt lengths:
+    a named workload's `prompt_tokens` for every sample, a trace's own prompt lengths. The
+    simulator and the emulated runtime size their work from this one batch."""
+    lengths = np.asarray(lengths_for_step(workload, step, n, seed, samples_per_prompt=samples_per_prompt),
+                         dtype=np.int64)
+    if workload in WORKLOADS:
+        prompts = np.full(lengths.shape, WORKLOADS[workload].prompt_tokens, dtype=np.int64)
+    else:
+        st = os.stat(workload)
+        by_step, _ = _trace_index(str(Path(workload).resolve()), st.st_size, st.st_mtime_ns)
+        prompts = by_step[int(step)].prompt_tokens[:n].astype(np.int64)
+    return Batch(lengths, prompts)
+
+
 @lru_cache(maxsize=8)
 def _trace_index(path: str, size: int, mtime_ns: int) -> tuple[dict[int, Batch], int]:
     steps = load_trace_steps(path)
@@ -73,4 +89,4 @@ def _trace_index(path: str, size: int, mtime_ns: int) -> tuple[dict[int, Batch],
 
 
 __all__ = ["WORKLOADS", "WorkloadSpec", "Batch", "get_workload", "sample_lengths", "sample_lengths_array",
-           "lengths_for_step", "load_trace", "SAMPLES_PER_PROMPT"]
+           "lengths_for_step", "batch_for_step", "load_trace", "SAMPLES_PER_PROMPT"]

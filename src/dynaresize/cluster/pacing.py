@@ -1,0 +1,156 @@
+"""Pacing: device workers that take as long as an emulated accelerator would (emulate.py).
+
+Worker side (`PacedMixin`, mixed into `DeviceWorker`): `paced(start, emulated_s, method, *args)`
+runs `method` (the real work), then sleeps until `start + emulated_s / time_scale`, where
+`start` is when the driver dispatched the call. So every device of a stage (the trainers of one
+step, the participants of a sync) ends at the same time however late each began (on a loaded
+host a worker may start seconds after the others), as on the emulated hardware. The result's
+`t1` becomes the paced end, so spans and op records show the emulated duration; the result also
+says `paced_from` (= start), `paced_s` (the wall seconds it was paced to), `real_s` (from the
+dispatch to the end of the real work) and `overrun` (True when that took longer than the paced
+time). `paced_bg` does the same on the worker's background thread (background resize ops).
+
+Overruns: a rollout or training call whose real work overran its paced time makes its step
+`overrun`: that stage took the machine's time, not the model's (the excess counts 1:1 on the
+run's clock, steptiming.py). Weight syncs and resize ops are short in the model (0.05-1.3 s
+for a 7B on an H100) and have a latency floor here (Ray calls, gloo on CPU) that no smaller
+model removes: what they take beyond their paced time is the step's overhead, not an overrun.
+
+Driver side (`DriverPacing`, one per `Cluster`): which calls are paced and to what (from the
+run's `emulate.Emulator`); the rollout router's work split (`rollout_chunks`: the simulator's
+replicas, each device's requests sent at once as one continuous batch); driver-side pacing of a
+resize's critical ops (`after_op`); the run's clock, on which every paced interval is put
+(steptiming.EmulatedClock); and the real and paced times of the stage calls, which the runtime
+takes per step (`overrun`, `real_fraction`). Without `cluster.emulate` nothing is paced: every
+helper hands the call through unchanged.
+
+16 emulated devices run on 2 cores because a paced worker sleeps most of its time: the real
+work (a few real tokens per sample) must stay well under the paced time, which `overrun` checks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import ray
+
+from dynaresize.emulate import Emulator, time_scale_of
+from dynaresize.steptiming import EmulatedClock
+
+
+def pace(result: Any, start: float, emulated_s: float, time_scale: float, *,
+         clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> Any:
+    """Sleep until `start + emulated_s / time_scale`; annotate a dict `result` (see the module)."""
+    target = start + max(float(emulated_s), 0.0) / time_scale
+    now = clock()
+    if now < target:
+        sleep(target - now)
+    if isinstance(result, dict):
+        result = dict(result)
+        result["t1"] = max(float(result.get("t1", now)), target)
+        result.update(paced_from=start, paced_s=target - start, real_s=now - start, overrun=now > target)
+    return result
+
+
+class PacedMixin:
+    """`DeviceWorker` methods that pace another method (attributes: `cfg`)."""
+
+    def paced(self, start: float, emulated_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
+        return pace(getattr(self, method)(*args, **kwargs), start, emulated_s, time_scale_of(self.cfg.cluster))
+
+    @ray.method(concurrency_group="bg")
+    def paced_bg(self, start: float, emulated_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
+        return pace(getattr(self, method)(*args, **kwargs), start, emulated_s, time_scale_of(self.cfg.cluster))
+
+
+class PacedRequests(list):
+    """The requests one rollout device serves at once, and its emulated busy seconds."""
+
+    def __init__(self, requests, pace_s: float) -> None:
+        super().__init__(requests)
+        self.pace_s = float(pace_s)
+
+
+class DriverPacing:
+    """The driver's side of pacing (see the module docstring)."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.emulator: Emulator | None = Emulator.from_config(cfg)
+        self.time_scale = time_scale_of(cfg.cluster)
+        self.clock = EmulatedClock(self.time_scale)  # paced work counts time_scale x (steptiming.py)
+        self._lock = threading.Lock()
+        self._stage_calls: list[tuple[float, float]] = []  # (real_s, paced_s) of rollout and training calls
+
+    @property
+    def on(self) -> bool:
+        return self.emulator is not None
+
+    def call(self, worker: Any, method: str, *args: Any, pace_s: float | None = None, bg: bool = False) -> Any:
+        """`worker.method.remote(*args)`, paced to `pace_s` emulated seconds from now when emulating."""
+        if self.emulator is None or pace_s is None:
+            return getattr(worker, method).remote(*args)
+        return (worker.paced_bg if bg else worker.paced).remote(time.time(), pace_s, method, *args)
+
+    # ------------------------------------------------------------------ stages
+
+    def rollout_chunks(self, step: int, groups: list[list[Any]], num_devices: int) -> list[list[Any]]:
+        """The router's queue: unchanged without emulation (one prompt group per dispatch);
+        emulated, one `PacedRequests` per rollout device, as the simulator's replicas split the
+        step (`Emulator.rollout_plan`; requests not in `groups` are left out)."""
+        if self.emulator is None or num_devices < 1:
+            return list(groups)
+        index = self.emulator.sample_index
+        present = {index(r.sample_id): r for g in groups for r in g}
+        chunks = []
+        for positions, pace_s in self.emulator.rollout_plan(step, num_devices):
+            mine = [present[i] for i in positions if i in present]
+            if mine:
+                chunks.append(PacedRequests(mine, pace_s))
+        return chunks
+
+    def train_s(self, step: int, num_train: int) -> float | None:
+        return self.emulator.train_s(step, num_train) if self.emulator is not None else None
+
+    def sync_s(self) -> float | None:
+        return self.emulator.sync_s if self.emulator is not None else None
+
+    # ------------------------------------------------------------------ resize ops
+
+    def op_s(self, name: str, plan: Any) -> float | None:
+        if self.emulator is None:
+            return None
+        return self.emulator.op_s(name, num_train_before=plan.src.num_train, num_train_after=plan.dst.num_train,
+                                  num_moving=len(plan.moving))
+
+    def after_op(self, name: str, start: float, out: Any, plan: Any, first_entry: int) -> None:
+        """A critical op ran from `start` on the driver (its entries from `out.ops[first_entry:]`):
+        wait until its emulated end, which becomes its entries' end and the critical path's."""
+        pace_s = self.op_s(name, plan)
+        if pace_s is None:
+            return
+        entries = out.ops[first_entry:]
+        done = pace({"t1": time.time()}, start, pace_s, self.time_scale)
+        for e in entries:
+            e.update(t1=done["t1"], paced_s=done["paced_s"])
+        out.critical_end = max(out.critical_end, done["t1"])
+        self.clock.add(start, start + done["paced_s"])
+
+    # ------------------------------------------------------------------ overruns
+
+    def note(self, result: Any, stage: bool = True) -> None:
+        """A paced call's result (any thread): its paced interval goes on the clock; a stage
+        call's real and paced seconds are kept until the runtime takes them."""
+        if not isinstance(result, dict) or "paced_s" not in result:
+            return
+        self.clock.add(result["paced_from"], result["paced_from"] + result["paced_s"])
+        if stage:
+            with self._lock:
+                self._stage_calls.append((float(result["real_s"]), float(result["paced_s"])))
+
+    def take_stage_calls(self) -> list[tuple[float, float]]:
+        """(real_s, paced_s) of the rollout and training calls since the last take."""
+        with self._lock:
+            out, self._stage_calls = self._stage_calls, []
+        return out

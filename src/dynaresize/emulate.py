@@ -1,0 +1,296 @@
+"""Emulated accelerators: how long each piece of real work would take on `ACCEL:MODEL`.
+
+With `cluster.emulate = "h100:7b"` every device worker does its real work (the tiny model
+really generates, trains, syncs and reshards) and then waits until the time this module gives
+for that work on the named accelerator and model (cluster/pacing.py), scaled by
+`cluster.time_scale` (emulated seconds per wall second). So N CPU workers behave as N
+independent accelerators while they sleep most of the time, and moving a device between pools
+changes the compute each pool has, as it does on a GPU cluster.
+
+Every duration comes from the simulator's own functions, so the simulator and the emulated
+runtime share one cost model and can be checked against each other (`dynaresize compare`):
+- rollout: the rollout devices are the simulator's continuous-batching replicas
+  (`sim.stages.StageModel.replica_detail`): sample i of the step (prompt-major order) goes to
+  replica i mod R/tp; a replica's time is its decode steps' weight reads plus its samples' KV
+  reads, compute and prefill, with their *emulated* lengths: `workload.batch_for_step` of
+  `rollout.length_workload` (a named workload at its own cap, or a trace file's lengths and
+  prompts; job.py calls the same `workload.lengths_for_step` at `rollout.max_new_tokens` for
+  the real, few-token responses);
+- training: `StageModel.train(step, num_train)` (6N FLOPs per token plus attention and the
+  old-log-prob pass, over the training devices, plus the fixed exposed time);
+- weight sync: `sim.costs.sync_s` (alpha + model bytes / bandwidth);
+- each resize op by name (cluster/resize_ops.py HANDLERS): `sim.costs.op_cost`.
+Bounds follow the simulator's rule (`Scenario.bounds`): a rollout replica is the move unit and
+the training state's memory floor is the least number of training devices.
+
+Pure: no Ray, torch, I/O or clock. Config objects are read duck-typed (this module is imported
+by `config` to check them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from dynaresize.errors import ConfigError
+from dynaresize.sim.costs import HARDWARE_PRESETS, MODEL_PRESETS, get_hardware, get_model, op_cost
+from dynaresize.sim.stages import Batch, StageModel
+from dynaresize.types import Bounds, StepReport
+from dynaresize.workload import batch_for_step
+
+DEFAULT_TIME_SCALE = 20.0  # a 7B step of ~165 emulated seconds lasts ~8 wall seconds
+UNPACED = ("none", "off")  # `--emulate none`: the run is not paced
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """An emulated accelerator and model, e.g. `h100:7b`."""
+
+    accelerator: str
+    model: str
+
+    @property
+    def spec(self) -> str:
+        return f"{self.accelerator}:{self.model}"
+
+
+def parse(text: str) -> Target:
+    """"h100:7b" -> Target; a ValueError says what is wrong (the caller names the field)."""
+    accel, sep, model = str(text).strip().lower().partition(":")
+    if not sep or not accel or not model:
+        raise ValueError(f"expected ACCEL:MODEL, e.g. h100:7b (accelerators: {', '.join(HARDWARE_PRESETS)}; "
+                         f"models: {', '.join(MODEL_PRESETS)}), or null for unpaced devices")
+    if accel not in HARDWARE_PRESETS:
+        raise ValueError(f"unknown accelerator {accel!r} (known: {', '.join(HARDWARE_PRESETS)})")
+    if model not in MODEL_PRESETS:
+        raise ValueError(f"unknown model {model!r} (known: {', '.join(MODEL_PRESETS)})")
+    return Target(accelerator=accel, model=model)
+
+
+def time_scale_of(cluster: Any) -> float:
+    """The run's emulated seconds per wall second (1 when nothing is emulated)."""
+    if not getattr(cluster, "emulate", None):
+        return 1.0
+    return float(cluster.time_scale) if cluster.time_scale is not None else DEFAULT_TIME_SCALE
+
+
+def emulated_bounds(target: Target, policy: Any, num_devices: int) -> Bounds:
+    """The simulator's bounds (`sim.scenarios.Scenario.bounds`) under the user's policy limits:
+    a rollout replica (tp devices) is the least rollout pool and the move unit, and the
+    training state's memory floor the least training pool."""
+    from dynaresize.sim.costs import min_train_devices
+
+    model, hw = get_model(target.model), get_hardware(target.accelerator)
+    tp = model.rollout_tp
+    unit = -(-max(policy.move_unit, tp) // tp) * tp
+    min_rollout = -(-max(policy.min_rollout, tp) // unit) * unit
+    return Bounds(num_devices=num_devices, min_rollout=min_rollout,
+                  min_train=max(policy.min_train, min_train_devices(model, hw)), move_unit=unit)
+
+
+def run_bounds(cfg: Any) -> Bounds:
+    """The bounds of a run: the policy's limits, raised to the emulated hardware's when emulating."""
+    c, p = cfg.cluster, cfg.policy
+    if getattr(c, "emulate", None):
+        return emulated_bounds(parse(c.emulate), p, c.devices)
+    return Bounds(num_devices=c.devices, min_rollout=p.min_rollout, min_train=p.min_train, move_unit=p.move_unit)
+
+
+def check_config(cfg: Any) -> list[tuple[str, Any, str]]:
+    """(field path, value, message) for each problem emulation has with a run config."""
+    c = cfg.cluster
+    out: list[tuple[str, Any, str]] = []
+    if not c.emulate:
+        if c.time_scale is not None:
+            out.append(("cluster.time_scale", c.time_scale, "only used with cluster.emulate (ACCEL:MODEL)"))
+        return out
+    try:
+        target = parse(c.emulate)
+    except ValueError as exc:
+        return [("cluster.emulate", c.emulate, str(exc))]
+    if c.time_scale is not None and not c.time_scale > 0:
+        out.append(("cluster.time_scale", c.time_scale, "must be > 0 (emulated seconds per wall second)"))
+    if c.devices < 2 or not 0 < c.rollout_devices < c.devices:
+        return out  # ClusterConfig names those
+    b = emulated_bounds(target, cfg.policy, c.devices)
+    if not b.splits():
+        out.append(("cluster.devices", c.devices,
+                    f"too few for {target.spec}: rollout needs >= {b.min_rollout} devices and training "
+                    f">= {b.min_train} (the training state's memory floor)"))
+    elif not b.allowed(c.rollout_devices):
+        out.append(("cluster.rollout_devices", c.rollout_devices,
+                    f"not a legal split for {target.spec} on {c.devices} devices ({b.why_not(c.rollout_devices)}; "
+                    f"legal: {', '.join(map(str, b.splits()))})"))
+    return out
+
+
+class Emulator:
+    """The emulated durations of one job (see the module docstring). Seconds are emulated."""
+
+    def __init__(self, target: Target, *, workload: str, prompts_per_step: int, samples_per_prompt: int,
+                 seed: int, num_steps: int) -> None:
+        self.target = target
+        self.model = get_model(target.model)
+        self.hw = get_hardware(target.accelerator)
+        self.workload = workload
+        self.prompts_per_step = int(prompts_per_step)
+        self.samples_per_prompt = int(samples_per_prompt)
+        self.seed = int(seed)
+        self.num_steps = int(num_steps)
+        self.stages = StageModel(self.model, self.batch, self.hw, batch_cache=8)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Emulator | None":
+        """The emulator of a run config, or None when the run is not emulated."""
+        if not cfg.cluster.emulate:
+            return None
+        rc = cfg.rollout
+        return cls(parse(cfg.cluster.emulate), workload=rc.length_workload, prompts_per_step=rc.prompts_per_step,
+                   samples_per_prompt=rc.samples_per_prompt, seed=cfg.seed, num_steps=cfg.steps)
+
+    # ------------------------------------------------------------------ the workload
+
+    def batch(self, step: int) -> Batch:
+        """The step's samples at their emulated lengths, in prompt-major order (sample (p, s) is
+        entry p * S + s): the same workload call as job.py's synthetic lengths
+        (`workload.lengths_for_step`), at the workload's own lengths instead of
+        `rollout.max_new_tokens`."""
+        return batch_for_step(self.workload, step, self.prompts_per_step * self.samples_per_prompt, self.seed,
+                              samples_per_prompt=self.samples_per_prompt)
+
+    def lengths(self, step: int) -> np.ndarray:
+        """Emulated response lengths of `step`, shape (prompts, samples per prompt)."""
+        return self.batch(step).response_tokens.reshape(self.prompts_per_step, self.samples_per_prompt)
+
+    def sample_index(self, sample_id: tuple[int, int, int]) -> int:
+        """Position of sample (step, prompt position, sample) in its step's batch."""
+        return int(sample_id[1]) * self.samples_per_prompt + int(sample_id[2])
+
+    # ------------------------------------------------------------------ durations
+
+    def rollout_plan(self, step: int, num_rollout: int) -> list[tuple[tuple[int, ...], float]]:
+        """Per rollout device slot (0..num_rollout-1): the batch positions it serves and its
+        emulated busy seconds. Replica j = slots j*tp .. j*tp+tp-1 serves positions i with
+        i mod (num_rollout // tp) == j, split over its devices; every device of a replica is busy
+        for the replica's time. Slots beyond whole replicas serve nothing."""
+        tp = self.model.rollout_tp
+        n_rep = max(1, num_rollout // tp)
+        times, _, _ = self.stages.replica_detail(step, num_rollout)
+        n = self.batch(step).num_samples
+        plan: list[tuple[tuple[int, ...], float]] = []
+        for slot in range(num_rollout):
+            j, part = divmod(slot, tp)
+            if j >= n_rep:
+                plan.append(((), 0.0))
+                continue
+            mine = range(j, n, n_rep)
+            plan.append((tuple(mine[part::tp]), float(times[j])))
+        return plan
+
+    def rollout_s(self, step: int, num_rollout: int) -> float:
+        return self.stages.rollout(step, num_rollout).time_s
+
+    def rollout_floor_s(self, step: int) -> float:
+        """The step's longest response decoded alone: what no number of devices removes."""
+        return self.stages.data(step).floor_s
+
+    def train_s(self, step: int, num_train: int) -> float:
+        return self.stages.train(step, num_train).time_s
+
+    @property
+    def train_fixed_s(self) -> float:
+        return self.model.train_comm_s
+
+    @property
+    def sync_s(self) -> float:
+        return self.stages.sync_s
+
+    def op_s(self, name: str, *, num_train_before: int, num_train_after: int, num_moving: int) -> float:
+        """One resize op on one moving device (the devices of an op run it in parallel)."""
+        return op_cost(name, self.model, num_train_before=num_train_before, num_train_after=num_train_after,
+                       num_moving=num_moving, hw=self.hw)[0]
+
+    # ------------------------------------------------------------------ what the runtime reports
+
+    def report(self, report: StepReport, rollout_step: int | None) -> StepReport:
+        """A step report (already in emulated seconds) with what an engine on the emulated
+        hardware knows: the floor of the rollout it measured (its longest response at its
+        batch-1 pace) and the training stage's fixed exposed time."""
+        floor = self.rollout_floor_s(rollout_step) if rollout_step is not None else 0.0
+        return replace(report, rollout_floor_s=min(floor, report.rollout_s) if report.rollout_s > 0 else 0.0,
+                       train_fixed_s=min(self.train_fixed_s, report.train_s))
+
+    # ------------------------------------------------------------------ the same job in the simulator
+
+    def scenario(self, num_devices: int):
+        """The simulator's scenario of this job: same batches, devices, model and hardware."""
+        from dynaresize.sim.scenarios import Scenario
+
+        return Scenario(name=self.workload, num_devices=num_devices, num_steps=self.num_steps, model=self.model,
+                        seed=self.seed, prompts_per_step=self.prompts_per_step,
+                        samples_per_prompt=self.samples_per_prompt, batch_of=self.batch, hardware=self.hw)
+
+
+def _start(policy: Any, cfg: Any) -> int:
+    start = getattr(policy, "start_rollout", None)
+    return cfg.cluster.rollout_devices if start is None else int(start)
+
+
+def start_split(cfg: Any) -> int:
+    """The rollout devices a run of `cfg` starts with (as `runtime.Run` picks them)."""
+    from dynaresize.policy.base import make_policy
+
+    return _start(make_policy(cfg.policy, run_bounds(cfg), num_steps=cfg.steps), cfg)
+
+
+def predict(cfg: Any, policy_name: str | None = None, recorder: Any = None):
+    """The simulator's run of the job `cfg` (emulated) under `policy_name` (default: its own),
+    started as the runtime starts it: at `cluster.rollout_devices` unless the policy names its
+    split, with the same bounds and no pilot. Returns a `sim.engine.PolicyResult`."""
+    from dynaresize.policy.base import make_policy
+    from dynaresize.sim.engine import run_policy
+
+    emu = Emulator.from_config(cfg)
+    if emu is None:
+        raise ConfigError(["cluster.emulate=None: a prediction needs an emulated accelerator (ACCEL:MODEL)"])
+    pcfg = replace(cfg.policy, name=policy_name or cfg.policy.name)
+    bounds = run_bounds(cfg)
+    policy = make_policy(pcfg, bounds, num_steps=cfg.steps)
+    start = _start(policy, cfg)
+    scenario = emu.scenario(cfg.cluster.devices)
+    return run_policy(scenario, scenario.stages(), policy, bounds, start_rollout=start,
+                      reversal_window=pcfg.horizon_steps, recorder=recorder)
+
+
+def best_static(cfg: Any) -> tuple[int, float]:
+    """(rollout devices, samples/s) of the best fixed split in hindsight for the job `cfg`, as the
+    simulator predicts it (a sweep over the legal splits, `sim.oracle.best_static`)."""
+    from dynaresize.sim.oracle import best_static as sweep
+    from dynaresize.sim.oracle import build_table, grid
+
+    emu = Emulator.from_config(cfg)
+    if emu is None:
+        raise ConfigError(["cluster.emulate=None: a prediction needs an emulated accelerator (ACCEL:MODEL)"])
+    scenario = emu.scenario(cfg.cluster.devices)
+    table = build_table(scenario.stages(), grid(run_bounds(cfg)), cfg.cluster.devices, cfg.steps)
+    split, total = sweep(table)
+    return split, scenario.total_samples() / total
+
+
+def covered_s(intervals) -> float:
+    """Length of the union of (start, end) intervals: time during which any of them ran."""
+    total, end = 0.0, None
+    for a, b in sorted((float(a), float(b)) for a, b in intervals):
+        if end is None or a > end:
+            total, end = total + (b - a), b
+        elif b > end:
+            total, end = total + (b - end), b
+    return total
+
+
+def span_s(intervals) -> float:
+    """max(end) - min(start) of (start, end) pairs; 0 for none."""
+    pairs = [(float(a), float(b)) for a, b in intervals]
+    return max(b for _, b in pairs) - min(a for a, _ in pairs) if pairs else 0.0
