@@ -3,9 +3,10 @@
 `default` is the embedded demo `dynaresize run` (and `make demo`) runs with no arguments: a
 local Ray with 6 device workers paced as A100s running a 7B model (`cluster.emulate`, see
 docs/emulate.md), the tiny Qwen2 really generating and training on the toy task, the hysteresis
-policy, and synthetic lengths of the `cap-raise` workload, whose length cap doubles at the
-run's midpoint: before it training is the slower stage and the policy gives it a device; after
-it the released tail makes rollout the slower one and the policy takes a device back. Because
+policy, and synthetic lengths of the `demo-cap-raise` workload, whose length cap rises 8x at
+step 10 (the midpoint): before it training is the slower stage and the policy gives it
+devices; after it the released tail makes rollout the slower one and the policy moves them
+back. Because
 every device is paced to the same emulated hardware, the resizes and their gain do not depend
 on how fast or loaded this machine is.
 
@@ -34,7 +35,7 @@ def default() -> dict:
         # words), on a Qwen2 smaller than the built-in one (0.25M parameters: ~10x less compute).
         "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1},
         "rollout": {"prompts_per_step": 32, "samples_per_prompt": 8, "max_new_tokens": 8, "max_prompt_tokens": 4,
-                    "batch_rows": 16, "synthetic_lengths": True, "length_workload": "cap-raise"},
+                    "batch_rows": 16, "synthetic_lengths": True, "length_workload": "demo-cap-raise"},
         # A 20-step run: the gain horizon is a few steps, not the 20 of a long job. The move-cost
         # prior stays the GPU default (10 emulated seconds) until the first move is measured.
         "policy": {"name": "hysteresis", "horizon_steps": 6},

@@ -109,6 +109,12 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     # tail changes the regime at once.
     "cap-raise": WorkloadSpec(name="cap-raise", mu0=math.log(1400.0), drift=math.log(1.6), tau_frac=0.6,
                               runaway0=0.006, cap_schedule=((0.0, 0.5), (0.5, 1.0))),
+    # The emulated demo (preset `default`): DeepScaleR's cap raise compressed into a 20-step run.
+    # The cap is 1/8 of 16k until step 10, so training is the slower stage and a device moves
+    # to it; then the full cap releases the tail, rollout becomes the slower stage and the
+    # devices move back. Tuned in the simulator so every seed 0-2 moves both ways.
+    "demo-cap-raise": WorkloadSpec(name="demo-cap-raise", mu0=math.log(1200.0), runaway0=0.006,
+                                   cap_schedule=((0.0, 0.125), (0.5, 1.0)), horizon_steps=20),
     # The CPU demo: the median first falls then rises (DeepScaleR's U, REFERENCES 2.3), so a short
     # real run sees rollout get lighter then heavier and resizes go both ways.
     # No runaway here: a demo's batch is small, and a random cap-length response would hide the U.
