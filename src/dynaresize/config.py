@@ -126,6 +126,9 @@ class RolloutConfig:
                  self.vllm_kv_cache_bytes, "must be 0 (vLLM sizes it) or >= 1048576 (1 MiB)")
 
 
+MAX_STALENESS = 4  # streaming keeps up to staleness + 2 weight versions on the driver (docs/pipeline.md)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     lr: float = 2e-3
@@ -135,7 +138,7 @@ class TrainConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     micro_batch_size: int = 4  # samples per micro-batch; composition fixed by sample index
-    staleness: int = 1  # 0 = synchronous; 1 = one-step off-policy
+    staleness: int = 1  # 0 = synchronous; 1 = one-step off-policy; 2..MAX_STALENESS = streaming (docs/pipeline.md)
     dtype: str = "fp32"  # compute dtype: fp32 | bf16 (master weights, gradients, reductions stay fp32)
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     kl_estimator: str = "k3"  # k1 (log ratio) | k3 (low-variance, non-negative); used when kl_coef > 0
@@ -154,7 +157,8 @@ class TrainConfig:
         err.need(self.clip_eps > 0, "clip_eps", self.clip_eps, "must be > 0")
         err.need(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
         err.need(self.micro_batch_size >= 1, "micro_batch_size", self.micro_batch_size, "must be >= 1")
-        err.need(self.staleness in (0, 1), "staleness", self.staleness, "must be 0 or 1")
+        err.need(isinstance(self.staleness, int) and 0 <= self.staleness <= MAX_STALENESS, "staleness",
+                 self.staleness, f"must be 0 (synchronous), 1 (one-step off) or 2..{MAX_STALENESS} (streaming)")
         err.need(self.dtype in ("fp32", "bf16"), "dtype", self.dtype, "must be fp32 or bf16")
         err.need(self.kl_estimator in ("k1", "k3"), "kl_estimator", self.kl_estimator, "must be k1 or k3")
         err.need(self.lr_schedule in ("constant", "linear", "cosine"), "lr_schedule", self.lr_schedule,
@@ -298,6 +302,11 @@ class RunConfig:
         if t.lr_schedule != "constant":
             err.need(self.steps > t.warmup_steps, "train.warmup_steps", t.warmup_steps,
                      f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")
+        if t.staleness >= 2:  # the streaming pipeline: no recovery, no resumable checkpoint (docs/pipeline.md)
+            err.need(not self.faults, "train.staleness", t.staleness,
+                     "streaming (>= 2) does not recover from lost devices: leave faults empty, or use 0 or 1")
+            err.need(self.checkpoint.every_steps == 0, "train.staleness", t.staleness,
+                     "streaming (>= 2) writes no resumable checkpoint: set checkpoint.every_steps=0, or use 0 or 1")
         e = self.eval
         if e.every_steps and e.prompts_file is None:
             err.need(self.task.prompts_file is None, "eval.prompts_file", e.prompts_file,

@@ -7,6 +7,8 @@ Top loop (`Run.run`), one window per step k:
     -> StepReport -> Controller.on_report -> resize plan (critical ops now, background later)
 
 With `train.staleness = 0` the rollout of k+1 starts after the sync instead (synchronous).
+With `train.staleness = eta >= 2` the window is streaming.py's: rollout runs up to eta steps
+ahead of training, requests in flight across windows (bounds stated there and in streamplan.py).
 The same `Controller` drives the simulator; both emit the same records (docs/records.md).
 
 Semantics (README.md, "How it works") are kept by `Job` (what to generate and how to score is a
@@ -58,6 +60,11 @@ class Run:
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, progress: bool = True,
                  resume: ResumePoint | None = None) -> None:
+        if resume is not None and cfg.train.staleness >= 2:
+            from dynaresize.errors import ConfigError
+
+            raise ConfigError([f"train.staleness={cfg.train.staleness}: a streaming run (>= 2) cannot be resumed "
+                               "(its checkpoints hold one rollout version, it needs several; docs/pipeline.md)"])
         self.job = Job(cfg)  # first: a bad prompt file, reward spec or fault spec stops here, nothing written
         self.evaluator = Evaluator(cfg, self.job)  # held-out prompts (eval.*): checked before anything is written
         parse_faults(cfg.faults, cfg.cluster.devices)
@@ -88,6 +95,11 @@ class Run:
         self.last_critical_s: float | None = None
         self.engine_version = rollout_version(self.start_step, cfg.train.staleness)  # what rollout devices hold
         self.recovery, self.ckpt = Recovery(self), Checkpointer(self)
+        self.stream = None
+        if cfg.train.staleness >= 2:  # the streaming pipeline (streaming.py)
+            from dynaresize.streaming import Streaming
+
+            self.stream = Streaming(self)
 
     def _controller(self, state: dict) -> tuple[Controller, Assignment]:
         cfg = self.cfg
@@ -126,11 +138,15 @@ class Run:
             w = Window(self.start_step)
             while w.step < self.cfg.steps:
                 try:
-                    self._window(w)
+                    self.stream.window(w) if self.stream else self._window(w)
                     if self.evaluator.due(w.step):  # between windows: the pipeline is drained (evaluation.py)
+                        if self.stream:
+                            self.stream.before_eval(w.step)
                         self.evaluator.run(w.step, self.cluster, self.rec.emit, self.rel)
                     self.ckpt.periodic(w.step + 1)
                 except DevicesLost as lost:
+                    if self.stream:  # no recovery under streaming (config refuses faults): a clean stop
+                        stop_run(self, w, f"{lost}; recovery is not supported with train.staleness >= 2")
                     self.recovery.recover(w, lost)  # or stops the run with a checkpoint (RunStopped)
                     continue
                 except RewardError as exc:
@@ -153,6 +169,8 @@ class Run:
         rv = rollout_version(v, self.cfg.train.staleness)
         if rv != v:
             self.snapshots[rv] = self.resume.rollout_snapshot()
+        if self.stream:
+            self.stream.start()
 
     def _window(self, w: Window) -> None:
         cfg, step = self.cfg, w.step
@@ -192,8 +210,10 @@ class Run:
         self.ledger.expect(step, self.job.expected_ids(step))
 
     def _prune(self, step: int) -> None:
-        """Snapshots of versions step-1 .. step+1 and rollouts of steps >= step are all a window needs."""
-        for v in [v for v in self.snapshots if v < step - 1]:
+        """Snapshots of versions step-1 .. step+1 (streaming: from max(0, step-eta)) and rollouts of
+        steps >= step are all a window needs."""
+        keep = min(step - 1, self.stream.keep_from(step)) if self.stream else step - 1
+        for v in [v for v in self.snapshots if v < keep]:
             del self.snapshots[v]
         for s in [s for s in self.rollouts if s < step]:
             del self.rollouts[s]
@@ -254,7 +274,11 @@ class Run:
 
     def _report(self, w: Window) -> StepReport:
         a, step, scored, train_stats, sync = self.assignment, w.step, w.scored, w.trained, w.synced
-        rolled = self.rollouts.get(step + 1) if step + 1 < self.cfg.steps else None
+        if self.stream:  # the engine calls of the window, and step k's own rollout latency
+            rolled, prologue, rolled_step = self.stream.window_rollout(step, w.t0), None, step
+        else:
+            rolled = self.rollouts.get(step + 1) if step + 1 < self.cfg.steps else None
+            prologue, rolled_step = self.rollouts.get(step), step + 1 if rolled else None
         t_end = time.time()
         c = self.timing.clock  # wall -> the run's seconds (emulated ones with cluster.emulate: steptiming.py)
         train_t0 = min(s["t0"] for s in train_stats)
@@ -270,7 +294,7 @@ class Run:
         window = c.span(w.t0, t_end)
         tail_idle = sum(c.span(rolled.last_end[d], rolled.t1) for d in rolled.busy_s) if rolled else 0.0
         longest = max((c.span(t0, t1) for _, t0, t1 in calls), default=0.0)
-        timing = self.timing.step(window_t0=w.t0, t_end=t_end, prologue=self.rollouts.get(step), rolled=rolled,
+        timing = self.timing.step(window_t0=w.t0, t_end=t_end, prologue=prologue, rolled=rolled,
                                   train_stats=train_stats, sync=sync, step=step,
                                   stage_calls=self.cluster.pacing.take_stage_calls())  # work, overhead (steptiming.py)
         report = StepReport(
@@ -280,7 +304,7 @@ class Run:
             rollout_floor_s=longest, num_samples=len(scored.samples), response_tokens=scored.num_tokens,
             idle_device_s=max(0.0, a.num_devices * window - busy), tail_idle_device_s=tail_idle,
             resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens)
-        report = self.timing.report(report, step + 1 if rolled else None)
+        report = self.timing.report(report, rolled_step)
         self.last_critical_s = None
         self.rec.emit("step", step=step, t_start_s=self.rel(w.t0), t_end_s=self.rel(t_end),
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, num_rollout=a.num_rollout,
@@ -306,8 +330,12 @@ class Run:
                 self.controller.on_resize_done(cmd.resize_id, 0.0, 0.0)  # the run ends: nothing to move
 
     def _resize(self, step: int, plan: ResizePlan) -> None:
+        drain_s = self.stream.before_resize(plan) if self.stream else None  # no request left on a leaver
         outcome = self.cluster.resize(plan, version=step + 1, step=step,
                                       background_moments=self.cfg.reshard.background_moments)
+        outcome.drain_s = drain_s
+        if self.stream:
+            self.stream.after_resize(plan, version=step + 1)
         self.assignment = plan.dst
         critical_s = self.timing.clock.span(outcome.t_decide, outcome.critical_end)
         self.timing.on_resize(outcome)
@@ -333,7 +361,7 @@ class Run:
                             critical_s=self.timing.clock.span(o.t_decide, o.critical_end),
                             total_s=self.timing.clock.span(o.t_decide, total_end),
                             t_s=self.rel(o.t_decide), groups_created_critical=o.groups_created_critical,
-                            reason=plan.reason)
+                            reason=plan.reason, **({} if o.drain_s is None else {"drain_s": o.drain_s}))
         self.resizes.append(rec)
 
     # ------------------------------------------------------------------ outputs
@@ -367,6 +395,9 @@ class Run:
             "faults_unfired": self.cluster.faults.unfired(),
             "resumed_from_step": self.start_step if self.resume else None, "stopped": stopped,
             "rollout_engine": resolve_engine(self.cfg), "train_dtype": self.cfg.train.dtype,
+            "staleness": self.cfg.train.staleness,
+            "max_staleness": max((e.consumed_step - e.version for e in self.ledger.entries.values()
+                                  if e.consumed_step is not None), default=None),
             "eval": self.evaluator.last,
         }
         summary.update(self.timing.summary(consumed, total_s))  # time unit, overhead, overruns (steptiming.py)

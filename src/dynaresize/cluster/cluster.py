@@ -62,6 +62,7 @@ class ResizeOutcome:
     background: list[tuple[str, int, Any]] = field(default_factory=list)  # (name, device, ObjectRef)
     groups_created_critical: int = 0
     critical_end: float = 0.0
+    drain_s: float | None = None  # streaming: waiting for the leaving engines' requests (router.py)
 
 
 class Cluster:
@@ -88,6 +89,12 @@ class Cluster:
         self.use_gpu = False  # set by start: NCCL on GPUs
         self._shapes: list | None = None  # trainable parameter shapes (layout_for)
         self.deferred_moments: tuple[int, ...] = ()  # NCCL: devices that left training, moments not sent
+        # Streaming (train.staleness >= 2): engines run requests across resizes, and Ray runs a
+        # worker's calls one at a time, so a split whose groups every worker already holds
+        # (created or pre-warmed, and waited for) is switched to without calling every worker.
+        self.skip_known_groups = cfg.train.staleness >= 2
+        self._known_sets: set[tuple] = set()
+        self._prewarm_sets: list[tuple[int, ...]] = []
         self.watchdog = Watchdog(ping=lambda r: self.workers[r].alive.remote(), collective_s=cfg.timeouts.collective_s,
                                  call_s=cfg.timeouts.actor_call_s)
 
@@ -184,6 +191,7 @@ class Cluster:
         for rs, made in zip(rank_sets, out[0]["flags"]):
             self.on_event("comm", {"event": "group_create" if made else "group_reuse", "ranks": list(rs),
                                    "critical": critical, "tag": tag})
+        self._known_sets.update((tuple(rs), tag) for rs in rank_sets)
         return out[0]["created"]
 
     def _neighbour_sets(self, a: Assignment) -> list[tuple[int, ...]]:
@@ -203,6 +211,7 @@ class Cluster:
     def _prewarm(self, a: Assignment) -> list[Any]:
         """Create the neighbouring splits' groups on every worker's background thread."""
         sets = self._neighbour_sets(a)
+        self._prewarm_sets = list(sets)
         if not sets:
             return []
         return [w.prewarm_groups.remote(sets) for w in self.workers]
@@ -210,6 +219,8 @@ class Cluster:
     def wait_prewarm(self) -> int:
         futures, self._prewarm_futures = self._prewarm_futures, []
         out = self.wait(list(enumerate(futures)), "pre-warm groups") if futures else []
+        if futures:
+            self._known_sets.update((tuple(rs), "") for rs in self._prewarm_sets)
         return out[0]["created"] if out else 0
 
     def comm_stats(self) -> list[dict]:
@@ -336,7 +347,16 @@ class Cluster:
 
     def create_split_groups(self, a: Assignment, *, critical: bool) -> int:
         """The communicators split `a` needs (created now unless cached); how many were created."""
-        return self._create_groups(self._split_sets(a), critical=critical)
+        sets = self._split_sets(a)
+        if self.skip_known_groups and all((tuple(rs), "") in self._known_sets for rs in sets):
+            for rs in sets:  # every worker holds them: no call (streaming engines stay busy)
+                self.on_event("comm", {"event": "group_reuse", "ranks": list(rs), "critical": critical, "tag": ""})
+            return 0
+        return self._create_groups(sets, critical=critical)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """`fn` on a driver thread (the streaming router's pump while training runs)."""
+        return self._executor.submit(fn, *args, **kwargs)
 
     def prewarm(self, a: Assignment) -> list[tuple[int, Any]]:
         """Start pre-warming the groups of the splits near `a`; (device, ref) per worker."""
@@ -349,6 +369,8 @@ class Cluster:
         results = self.wait([(d, ref) for _, d, ref in background], "resize: background ops")
         for (name, d, _), r in zip(background, results):
             outcome.ops.append(self.op_entry(name, d, r, False))
+        if any(name == planner.PREWARM_GROUPS for name, _, _ in background):
+            self._known_sets.update((tuple(rs), "") for rs in self._prewarm_sets)
         self._prewarm_futures = []
 
     def op_entry(self, name: str, d: int, r: dict, critical: bool) -> dict:
