@@ -100,9 +100,9 @@ class Streaming:
 
     def _spans(self) -> None:
         run = self.run
-        for d, t0, t1 in self.router.take_calls():
+        for d, step, t0, t1 in self.router.take_calls():
             self.window_calls.append((d, t0, t1))
-            run.rec.emit("span", device=d, name="rollout", start_s=run.rel(t0), end_s=run.rel(t1))
+            run.rec.emit("span", device=d, name="rollout", start_s=run.rel(t0), end_s=run.rel(t1), step=step)
 
     def window_rollout(self, step: int, window_t0: float) -> StepRollout:
         """What the report of window `step` says of rollout: the engine calls that ended in the

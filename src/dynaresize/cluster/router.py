@@ -43,7 +43,7 @@ class StreamRouter:
         self.digests = digests  # version -> trainers' digest (deterministic mode), else None
         self.inflight: dict[Any, int] = {}  # generate ref -> rank
         self.meta: dict[Any, tuple[int, int, Any, Any]] = {}  # ref -> (rank, step, item, pull ref)
-        self.calls: list[tuple[int, float, float]] = []  # engine calls ended since `take_calls`
+        self.calls: list[tuple[int, int, float, float]] = []  # (device, step, t0, t1) ended since `take_calls`
         self.pulls: list[dict] = []  # weight pulls ended since `take_pulls`
 
     # ------------------------------------------------------------------ steps and engines
@@ -126,7 +126,7 @@ class StreamRouter:
         buf.busy_s[dev] = buf.busy_s.get(dev, 0.0) + res["t1"] - res["t0"]
         buf.last_end[dev] = max(buf.last_end.get(dev, res["t1"]), res["t1"])
         buf.t1 = max(buf.t1 or res["t1"], res["t1"])
-        self.calls.append((dev, res["t0"], res["t1"]))
+        self.calls.append((dev, step, res["t0"], res["t1"]))
         self.queue.done(d, step)
 
     def _pulled(self, d: int, step: int, pull: Any) -> None:
@@ -169,7 +169,7 @@ class StreamRouter:
 
     # ------------------------------------------------------------------ what the runtime reads
 
-    def take_calls(self) -> list[tuple[int, float, float]]:
+    def take_calls(self) -> list[tuple[int, int, float, float]]:
         out, self.calls = self.calls, []
         return out
 

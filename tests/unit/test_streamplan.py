@@ -1,0 +1,106 @@
+"""The streaming pipeline's pure schedule (streamplan.py): release rule, dispatch rule, bounds.
+
+A toy driver plays the runtime's windows against `StreamQueue` with engines whose calls end in
+a seeded random order, and checks at every point the bounds the module states."""
+
+import random
+
+import pytest
+
+from dynaresize.stepstate import rollout_version
+from dynaresize.streamplan import StreamQueue, released_through
+
+
+def test_release_rule_is_the_versions_that_exist():
+    # version v exists after training step v-1: with k steps trained, steps up to k+eta
+    assert [released_through(k, 2, 100) for k in range(4)] == [2, 3, 4, 5]
+    assert released_through(9, 3, 10) == 9
+    for eta in (2, 3, 4):
+        for k in range(10):
+            last = released_through(k, eta, 100)
+            assert rollout_version(last, eta) == k and rollout_version(last + 1, eta) == k + 1
+
+
+def test_engine_pulls_only_when_its_next_item_needs_another_version():
+    q = StreamQueue(eta=2)
+    q.add_engine(0, 0)
+    for s in range(4):
+        q.release(s, [f"g{s}a", f"g{s}b"])
+    got = []
+    while q.queue:
+        d = q.next_for(0)
+        got.append((d.step, d.version, d.pull))
+        assert q.next_for(0) is None  # one item in flight per engine
+        q.done(0, d.step)
+    assert got == [(0, 0, False), (0, 0, False), (1, 0, False), (1, 0, False), (2, 0, False), (2, 0, False),
+                   (3, 1, True), (3, 1, False)]
+    assert all(q.complete(s) for s in range(4))
+
+
+def test_release_order_and_drain_and_removal():
+    q = StreamQueue(eta=2)
+    q.release(0, ["a"])
+    with pytest.raises(ValueError):
+        q.release(0, ["a"])
+    q.add_engine(0, 0)
+    q.add_engine(1, 0)
+    d = q.next_for(0)
+    q.close([0, 1])
+    assert q.next_for(1) is None and not q.idle([0])
+    with pytest.raises(ValueError):
+        q.remove_engine(0)  # a request in flight: drain first
+    q.done(0, d.step)
+    assert q.idle([0, 1])
+    q.remove_engine(0)
+    assert 0 not in q.engine_version
+
+
+@pytest.mark.parametrize("eta", [2, 3, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_windows_keep_the_stated_bounds(eta, seed):
+    """Windows of a toy run: release, run engines until step k is complete (random order of
+    completions), 'train' k while engines go on, resize now and then; bounds hold throughout
+    and each step's items run with version max(0, k - eta)."""
+    rng = random.Random(seed)
+    steps, items = 12, 5
+    q = StreamQueue(eta=eta)
+    engines = [0, 1, 2]
+    for d in engines:
+        q.add_engine(d, 0)
+    running: dict[int, tuple[int, object, int]] = {}
+    versions_used: dict[int, set] = {}
+
+    def tick(trained):
+        for d in list(q.engine_version):
+            nxt = q.next_for(d)
+            if nxt is not None:
+                running[d] = (nxt.step, nxt.item, nxt.version)
+                versions_used.setdefault(nxt.step, set()).add(nxt.version)
+        assert not q.check_bounds(trained), q.check_bounds(trained)
+        if running:
+            d = rng.choice(sorted(running))
+            s, _, _ = running.pop(d)
+            q.done(d, s)
+
+    for k in range(steps):
+        for s in range(k, released_through(k, eta, steps) + 1):
+            if not q.released(s):
+                q.release(s, [f"{s}-{i}" for i in range(items)])
+        q.forget_before(k)
+        assert len(q.in_flight_steps()) <= eta + 1
+        while not q.complete(k):
+            tick(k)
+        for _ in range(rng.randrange(0, 6)):  # training k overlaps more rollout
+            tick(k)
+        assert all(k < s <= k + eta for s in q.in_flight_steps())
+        if k % 4 == 1:  # a device leaves the rollout pool: drained first
+            leaver = rng.choice(sorted(q.engine_version))
+            if len(q.engine_version) > 1:
+                q.close([leaver])
+                while not q.idle([leaver]):
+                    tick(k)
+                q.remove_engine(leaver)
+        elif k % 4 == 3:  # a device joins holding the version just trained
+            q.add_engine(max(engines) + 1, k + 1)
+            engines.append(max(engines) + 1)
+    assert versions_used == {s: {rollout_version(s, eta)} for s in range(steps)}
