@@ -3,7 +3,8 @@
 One scripted run with resizes each way and one static run, both deterministic, staleness 2:
 the ledger holds with every `consumed_step - version <= 2` (and the bound is reached), the
 leaving engine is drained (`drain_s` on the resize record), and the two runs generate the same
-tokens and end with the same parameters (within 1e-6).
+tokens and end with the same parameters (within 1e-6), though the static one also evaluates
+(which drains every engine and gives it the newest version between windows).
 """
 
 import os
@@ -31,9 +32,10 @@ def ray_local():
     ray.shutdown()
 
 
-def _cfg(**policy):
+def _cfg(eval_every=0, **policy):
     data = preset("cpu")  # this machine's own speed: nothing paced
-    data.update(steps=STEPS, deterministic=True)
+    data.update(steps=STEPS, deterministic=True, eval={"every_steps": eval_every, "num_prompts": 2,
+                                                        "samples_per_prompt": 2})
     data["cluster"] = {**data["cluster"], "devices": 4, "rollout_devices": 2}
     data["rollout"] = {**data["rollout"], "engine": "hf", "prompts_per_step": 4, "samples_per_prompt": 4,
                        "max_new_tokens": 16}
@@ -46,7 +48,7 @@ def _cfg(**policy):
 def stream_pair(ray_local, tmp_path_factory):
     base = tmp_path_factory.mktemp("stream")
     s1 = run_job(_cfg(name="scripted", schedule="2:3,4:1"), base / "scripted", progress=False)
-    s2 = run_job(_cfg(name="static:2"), base / "static", progress=False)
+    s2 = run_job(_cfg(name="static:2", eval_every=3), base / "static", progress=False)  # evaluation drains
     return base / "scripted", s1, base / "static", s2
 
 
@@ -80,6 +82,8 @@ def test_staleness_2_run_with_resizes_equals_static_run(stream_pair):
     w2 = load_file(str(out2 / "checkpoint" / "model.safetensors"))
     assert w1.keys() == w2.keys()
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) <= 1e-6
+    evals = list(read_records(out2 / "records.jsonl", "eval"))
+    assert [(e["step"], e["version"]) for e in evals] == [(2, 3), (5, 6)]  # the newest weights
 
 
 def test_streaming_refuses_faults_and_periodic_checkpoints():
