@@ -27,7 +27,9 @@ training step k:
   (eta while step k trains: step k is complete by then);
 - samples generated and not yet consumed: those of at most eta + 1 steps (k .. k + eta); only
   step k's are scored at a time (scoring happens just before its training);
-- versions held by engines: within [max(0, k - eta), k], so at most eta + 1 distinct ones;
+- versions engines generate with: within [max(0, k - eta), k], one per engine at a time, so at
+  most eta + 1 distinct ones (an idle engine may still hold an older one it does not use; none
+  holds one newer than k + 1, the version a device joining after training k starts with);
   the driver keeps the weights of versions max(0, k - eta) .. k + 1 (at most eta + 2).
 """
 
