@@ -43,7 +43,7 @@ from dynaresize.policy.base import make_policy
 from dynaresize.records import Recorder
 from dynaresize.recovery import Recovery, stop_run
 from dynaresize.rl import grpo
-from dynaresize.roles.base import resolve_engine
+from dynaresize.roles.base import auto_hf_reason, resolve_engine
 from dynaresize.stepstate import StepRollout, Window, rollout_version
 from dynaresize.steptiming import StepTiming
 from dynaresize.tracking import check_backends, open_sinks
@@ -367,6 +367,7 @@ class Run:
             "faults_unfired": self.cluster.faults.unfired(),
             "resumed_from_step": self.start_step if self.resume else None, "stopped": stopped,
             "rollout_engine": resolve_engine(self.cfg), "train_dtype": self.cfg.train.dtype,
+            "rollout_engine_why": auto_hf_reason(self.cfg) if self.cfg.rollout.engine == "auto" else None,
             "eval": self.evaluator.last,
         }
         summary.update(self.timing.summary(consumed, total_s))  # time unit, overhead, overruns (steptiming.py)
