@@ -182,7 +182,7 @@ class PolicyConfig:
     horizon_steps: int = 20  # the predicted gain is summed over this many steps
     cost_margin: float = 2.0  # the predicted gain must beat the move cost times this
     greedy_threshold: float = 1.2  # greedy: move when slower/faster stage time exceeds this
-    move_cost_prior_s: float = 10.0  # hysteresis: a move's cost before one is measured (REFERENCES 3.3)
+    move_cost_prior_s: float = 10.0  # hysteresis: a move's cost before one is measured (docs/references.md 3.3)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.name in POLICY_NAMES or self.name.startswith("static:"), "name", self.name,

@@ -2,7 +2,7 @@
 
 Batch size: `prompts_per_step` defaults to 2 prompts x 16 samples per device, i.e. 32 samples
 per device and step (RollPacker's Qwen2.5-14B setting: 128 prompts x 8 samples on 32 GPUs,
-REFERENCES 2.1). It does not change with the split: RL semantics fix the batch.
+docs/references.md 2.1). It does not change with the split: RL semantics fix the batch.
 
 Bounds: min_rollout = one replica (tp devices), move unit = tp, min_train = the memory floor of
 the training state (`costs.min_train_devices`), never below the user's PolicyConfig values.
