@@ -27,8 +27,9 @@ def _config():
     return build_config(merge(preset("cpu"), {
         "steps": STEPS,
         "cluster": {"devices": 8, "rollout_devices": 4, "emulate": "h200:7b", "time_scale": TIME_SCALE},
+        # The HF engine: 8 vLLM engines would not fit beside the rest (this test is about pacing).
         "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 4,
-                    "length_workload": "short-tail"},
+                    "length_workload": "short-tail", "engine": "hf"},
         "train": {"micro_batch_size": 16},
         "policy": {"name": "scripted", "schedule": "2:5"},  # one move to rollout, decided after step 1
     }))
