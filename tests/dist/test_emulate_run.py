@@ -58,6 +58,10 @@ def test_summary_says_times_are_emulated(emulated_run):
     assert s["ledger_ok"], s["ledger_problems"]
     assert s["emulate"] == "h200:7b" and s["time_scale"] == TIME_SCALE and "emulated seconds" in s["time_unit"]
     assert s["resizes_to_rollout"] == 1 and s["rollout_devices_final"] == 5
+    out, _ = emulated_run
+    steps = read_records(out / "records.jsonl", "step")
+    idle = sum(r["idle_device_s"] for r in steps)  # the summary's idle is the steps' (metrics.py)
+    assert s["idle_fraction"] == pytest.approx(idle / (8 * s["total_time_s"]))
 
 
 def test_stages_last_their_modelled_time_unless_flagged(emulated_run):
