@@ -5,7 +5,7 @@ named workload uses and that were never used to tune a policy (the policies were
 named workloads only):
 
 - holdout-shrink: the median falls by half over the run (DeepScaleR's early shortening under
-  an 8k cap, REFERENCES 2.3), sigma 1.1, runaway 0.5% falling with the median, cap 16k;
+  an 8k cap, docs/references.md 2.3), sigma 1.1, runaway 0.5% falling with the median, cap 16k;
 - holdout-heavy: a heavier tail at a fixed median (sigma 1.3, runaway 1%), cap 32k;
 - holdout-steps: the cap raised twice, 4k -> 8k -> 16k at steps 100 and 200, the median doubling.
 

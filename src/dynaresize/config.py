@@ -99,6 +99,7 @@ class RolloutConfig:
     temperature: float = 1.0
     synthetic_lengths: bool = False  # draw each response length from a workload model
     length_workload: str = "longtail-drift"
+    length_horizon_steps: int = 0  # the named workload's time constants span this many steps; 0: its own
     batch_rows: int = 4  # hf engine: rows per batch (fixed, so a sample's numerics never depend on its batch)
     vllm_max_num_seqs: int = 64  # vllm engine: requests decoded at once
     vllm_max_model_len: int = 0  # vllm engine: longest prompt + response in tokens; 0: the model's own limit
@@ -118,6 +119,8 @@ class RolloutConfig:
             err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         err.need(self.temperature > 0, "temperature", self.temperature, "must be > 0")
         err.need(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
+        err.need(self.length_horizon_steps >= 0, "length_horizon_steps", self.length_horizon_steps,
+                 "must be >= 0 (0: the workload's own horizon)")
         err.need(self.engine_release in ("teardown", "park"), "engine_release", self.engine_release,
                  "must be teardown or park")
         err.need(self.vllm_max_model_len == 0 or self.vllm_max_model_len >= 2, "vllm_max_model_len",
@@ -186,7 +189,7 @@ class PolicyConfig:
     horizon_steps: int = 20  # the predicted gain is summed over this many steps
     cost_margin: float = 2.0  # the predicted gain must beat the move cost times this
     greedy_threshold: float = 1.2  # greedy: move when slower/faster stage time exceeds this
-    move_cost_prior_s: float = 10.0  # hysteresis: a move's cost before one is measured (REFERENCES 3.3)
+    move_cost_prior_s: float = 10.0  # hysteresis: a move's cost before one is measured (docs/references.md 3.3)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.name in POLICY_NAMES or self.name.startswith("static:"), "name", self.name,

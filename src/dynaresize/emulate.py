@@ -130,7 +130,7 @@ class Emulator:
     """The emulated durations of one job (see the module docstring). Seconds are emulated."""
 
     def __init__(self, target: Target, *, workload: str, prompts_per_step: int, samples_per_prompt: int,
-                 seed: int, num_steps: int) -> None:
+                 seed: int, num_steps: int, horizon_steps: int = 0) -> None:
         self.target = target
         self.model = get_model(target.model)
         self.hw = get_hardware(target.accelerator)
@@ -139,6 +139,7 @@ class Emulator:
         self.samples_per_prompt = int(samples_per_prompt)
         self.seed = int(seed)
         self.num_steps = int(num_steps)
+        self.horizon_steps = int(horizon_steps)  # rollout.length_horizon_steps (0: the workload's own)
         self.stages = StageModel(self.model, self.batch, self.hw, batch_cache=8)
 
     @classmethod
@@ -148,7 +149,8 @@ class Emulator:
             return None
         rc = cfg.rollout
         return cls(parse(cfg.cluster.emulate), workload=rc.length_workload, prompts_per_step=rc.prompts_per_step,
-                   samples_per_prompt=rc.samples_per_prompt, seed=cfg.seed, num_steps=cfg.steps)
+                   samples_per_prompt=rc.samples_per_prompt, seed=cfg.seed, num_steps=cfg.steps,
+                   horizon_steps=rc.length_horizon_steps)
 
     # ------------------------------------------------------------------ the workload
 
@@ -158,7 +160,7 @@ class Emulator:
         (`workload.lengths_for_step`), at the workload's own lengths instead of
         `rollout.max_new_tokens`."""
         return batch_for_step(self.workload, step, self.prompts_per_step * self.samples_per_prompt, self.seed,
-                              samples_per_prompt=self.samples_per_prompt)
+                              samples_per_prompt=self.samples_per_prompt, horizon_steps=self.horizon_steps)
 
     def lengths(self, step: int) -> np.ndarray:
         """Emulated response lengths of `step`, shape (prompts, samples per prompt)."""

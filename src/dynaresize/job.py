@@ -65,6 +65,9 @@ class Job:
             if rc.length_workload not in WORKLOADS and not Path(rc.length_workload).is_file():
                 errors.append(f"rollout.length_workload={rc.length_workload!r}: neither a known workload "
                               f"({', '.join(WORKLOADS)}) nor a trace file")
+            elif rc.length_horizon_steps and rc.length_workload not in WORKLOADS:
+                errors.append(f"rollout.length_horizon_steps={rc.length_horizon_steps}: only a named workload has "
+                              f"a horizon (rollout.length_workload is the trace {rc.length_workload!r})")
         if errors:
             raise ConfigError(errors)
 
@@ -80,7 +83,8 @@ class Job:
 
             k = rc.samples_per_prompt  # a named workload or a trace file, keyed by absolute step
             flat = lengths_for_step(rc.length_workload, step, rc.prompts_per_step * k, self.cfg.seed,
-                                    samples_per_prompt=k, max_tokens=rc.max_new_tokens)
+                                    samples_per_prompt=k, max_tokens=rc.max_new_tokens,
+                                    horizon_steps=rc.length_horizon_steps)
             lengths = [flat[i * k:(i + 1) * k] for i in range(rc.prompts_per_step)]
         groups = []
         for p, (prompt_index, record) in enumerate(self.step_prompts(step)):

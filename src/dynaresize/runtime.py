@@ -41,11 +41,12 @@ from dynaresize.errors import RewardError
 from dynaresize.evaluation import Evaluator
 from dynaresize.job import Job, ScoredStep
 from dynaresize.ledger import Ledger, sample_record
+from dynaresize.metrics import resize_counts, throughput_fields
 from dynaresize.policy.base import make_policy
 from dynaresize.records import Recorder
 from dynaresize.recovery import Recovery, stop_run
 from dynaresize.rl import grpo
-from dynaresize.roles.base import resolve_engine
+from dynaresize.roles.base import auto_hf_reason, resolve_engine
 from dynaresize.stepstate import StepRollout, Window, rollout_version
 from dynaresize.steptiming import StepTiming
 from dynaresize.tracking import check_backends, open_sinks
@@ -78,6 +79,8 @@ class Run:
         self.resizes: list[dict] = list(state.get("resizes", []))
         self.stats: dict = dict(state.get("stats") or {"faults_injected": 0, "faults_recovered": 0,
                                                         "recoveries": [], "elapsed_s": 0.0})
+        self.stats.setdefault("idle_device_s", 0.0)  # sums of the step records' idle (metrics.py)
+        self.stats.setdefault("tail_idle_device_s", 0.0)
         self.t0 = time.time() - self.stats["elapsed_s"]  # a resumed run's times go on from the checkpoint
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
@@ -306,6 +309,8 @@ class Run:
             resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens)
         report = self.timing.report(report, rolled_step)
         self.last_critical_s = None
+        self.stats["idle_device_s"] += report.idle_device_s
+        self.stats["tail_idle_device_s"] += tail_idle
         self.rec.emit("step", step=step, t_start_s=self.rel(w.t0), t_end_s=self.rel(t_end),
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, num_rollout=a.num_rollout,
                       num_train=a.num_train, idle_device_s=report.idle_device_s, tail_idle_device_s=tail_idle,
@@ -379,10 +384,7 @@ class Run:
         consumed = sum(1 for e in self.ledger.entries.values() if e.consumed_step is not None)
         s = self.stats
         summary = {
-            "steps": self.cfg.steps, "devices": self.cfg.cluster.devices, "total_time_s": total_s,
-            "samples_per_s": consumed / total_s, "resizes": len(self.resizes),
-            "resizes_to_rollout": sum(1 for r in self.resizes if r["to_role"] == ROLLOUT),
-            "resizes_to_train": sum(1 for r in self.resizes if r["to_role"] == TRAIN),
+            "steps": self.cfg.steps, "devices": self.cfg.cluster.devices,
             "reward_first": sum(self.rewards[:k]) / k, "reward_last": sum(self.rewards[-k:]) / k,
             "reward_by_step": self.rewards, "ledger_ok": not problems, "ledger_problems": problems[:20],
             "world_inits_max": max((c.get("world_inits", 0) for c in comm), default=0),
@@ -398,9 +400,16 @@ class Run:
             "staleness": self.cfg.train.staleness,
             "max_staleness": max((e.consumed_step - e.version for e in self.ledger.entries.values()
                                   if e.consumed_step is not None), default=None),
+            "rollout_engine_why": auto_hf_reason(self.cfg) if self.cfg.rollout.engine == "auto" else None,
             "eval": self.evaluator.last,
         }
-        summary.update(self.timing.summary(consumed, total_s))  # time unit, overhead, overruns (steptiming.py)
+        timing = self.timing.summary(total_s)  # time unit, overhead, overruns (steptiming.py)
+        # Emulated: the steps' emulated seconds (startup left out), the time the simulator predicts.
+        summary.update(throughput_fields(num_devices=self.cfg.cluster.devices,
+                                         total_time_s=timing.pop("steps_total_s", None) or total_s,
+                                         num_samples=consumed, idle_device_s=s["idle_device_s"],
+                                         tail_idle_device_s=s["tail_idle_device_s"]),
+                       **resize_counts(r["to_role"] for r in self.resizes), **timing)
         self.rec.emit("summary", summary=summary)
         self.rec.close()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))

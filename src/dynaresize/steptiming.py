@@ -138,9 +138,9 @@ class StepTiming:
         """The controller's report; emulated, with what the emulated engine and trainer know."""
         return self.emulator.report(report, rollout_step) if self.emulator is not None else report
 
-    def summary(self, consumed: int, wall_s: float) -> dict:
-        """Summary fields. Emulated: `total_time_s` and `samples_per_s` are those of the steps
-        (first step's start to the last one's end, startup left out) in emulated seconds."""
+    def summary(self, wall_s: float) -> dict:
+        """Summary fields. Emulated, also `steps_total_s`: the run's total time is that of the
+        steps (first step's start to the last one's end, startup left out) in emulated seconds."""
         steps_s = (self.clock.span(self._first_start, self._prev_end)
                    if self._prev_end is not None and self._first_start is not None else 0.0)
         out = {"emulate": self.emulate, "time_scale": self.scale if self.emulate else None,
@@ -152,5 +152,5 @@ class StepTiming:
                "overrun_steps": len(self.overrun_steps), "overrun_step_ids": self.overrun_steps[:50],
                "real_fraction_max": self.real_fraction_max}
         if self.emulate and steps_s > 0:
-            out.update(total_time_s=steps_s, samples_per_s=consumed / steps_s)
+            out["steps_total_s"] = steps_s
         return out

@@ -27,8 +27,9 @@ def _config():
     return build_config(merge(preset("cpu"), {
         "steps": STEPS,
         "cluster": {"devices": 8, "rollout_devices": 4, "emulate": "h200:7b", "time_scale": TIME_SCALE},
+        # The HF engine: 8 vLLM engines would not fit beside the rest (this test is about pacing).
         "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 4,
-                    "length_workload": "short-tail"},
+                    "length_workload": "short-tail", "engine": "hf"},
         "train": {"micro_batch_size": 16},
         "policy": {"name": "scripted", "schedule": "2:5"},  # one move to rollout, decided after step 1
     }))
@@ -57,6 +58,10 @@ def test_summary_says_times_are_emulated(emulated_run):
     assert s["ledger_ok"], s["ledger_problems"]
     assert s["emulate"] == "h200:7b" and s["time_scale"] == TIME_SCALE and "emulated seconds" in s["time_unit"]
     assert s["resizes_to_rollout"] == 1 and s["rollout_devices_final"] == 5
+    out, _ = emulated_run
+    steps = read_records(out / "records.jsonl", "step")
+    idle = sum(r["idle_device_s"] for r in steps)  # the summary's idle is the steps' (metrics.py)
+    assert s["idle_fraction"] == pytest.approx(idle / (8 * s["total_time_s"]))
 
 
 def test_stages_last_their_modelled_time_unless_flagged(emulated_run):

@@ -1,10 +1,11 @@
 """Shared pieces of the fault, resume and bad-input tests: a small deterministic job, Ray for a
 module, the uninterrupted reference runs (made once per session), and run comparisons.
 
-The job: 4 CPU devices (2 rollout, 2 train), 4 steps of 4 prompts x 4 samples, 16 new tokens
-with natural lengths (synthetic lengths follow the run's total steps, so a run extended by
---resume is compared with natural ones), deterministic mode, a scripted resize to 3 rollout
-devices decided after step 1, and a collective timeout of 5 s so a stopped worker is found fast.
+The job: 4 CPU devices (2 rollout, 2 train), 4 steps of 4 prompts x 4 samples, up to 16 new
+tokens with synthetic lengths (the `demo` workload, keyed by absolute step: a run extended by
+--resume with more steps continues the same job, which the resume tests check against the
+uninterrupted run), deterministic mode, a scripted resize to 3 rollout devices decided after
+step 1, and a collective timeout of 5 s so a stopped worker is found fast.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def job_data(**over) -> dict:
         "steps": STEPS, "deterministic": True,
         "cluster": {"devices": 4, "rollout_devices": 2},
         "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 16,
-                    "synthetic_lengths": False},
+                    "synthetic_lengths": True, "length_workload": "demo"},
         "policy": {"name": "scripted", "schedule": SCHEDULE},
         "timeouts": {"collective_s": COLLECTIVE_S},
     })

@@ -25,7 +25,7 @@ def test_compare_runs_each_policy_on_the_runtime_and_in_the_simulator(tmp_path, 
                  "--rollout-devices", "1", "--steps", "3", "--emulate", "h200:7b", "--time-scale", "2",
                  "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4",
                  "--set", "rollout.max_new_tokens=4", "--set", "rollout.length_workload=short-tail",
-                 "--set", "train.micro_batch_size=16", "--no-progress", "--out", str(out)])
+                 "--set", "train.micro_batch_size=16", "--set", "rollout.engine=hf", "--no-progress", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     doc = json.loads((out / "summary.json").read_text())

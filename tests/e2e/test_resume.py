@@ -145,3 +145,12 @@ def test_resume_on_the_same_devices_keeps_the_policy_state(first4, tmp_path):
     assert summary["ledger_ok"] and summary["devices"] == 4
     assert_same_run(out, reference_run())
     assert len(samples(out)) == 4 * 16
+    # Synthetic lengths were on: every response has its workload length, keyed by absolute step,
+    # so resuming a 2-step run with --steps 4 continued the same job as the 4-step run.
+    from dynaresize.job import Job
+    from dynaresize.ledger import sample_id_str
+
+    job = Job(job_config())
+    want = {sample_id_str(r.sample_id): r.forced_length for step in range(4) for g in job.requests(step) for r in g}
+    assert all(v is not None for v in want.values()) and len(set(want.values())) > 1
+    assert {k: r["num_tokens"] for k, r in samples(out).items()} == want

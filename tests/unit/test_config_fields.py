@@ -182,6 +182,13 @@ def _requests(cfg: RunConfig) -> list:
             for g in Job(cfg).requests(0)]
 
 
+def _lengths_later(cfg: RunConfig) -> list:
+    """The forced lengths of step 5 (a workload's time constants show after step 0)."""
+    from dynaresize.job import Job
+
+    return [r.forced_length for g in Job(cfg).requests(5) for r in g]
+
+
 def _scores(cfg: RunConfig) -> Any:
     """`Job.score` of step 0 on fixed responses: rewards (via the ledger), advantages; or the
     error it stops with."""
@@ -738,6 +745,8 @@ EVIDENCE: dict[str, tuple] = {
     "rollout.temperature": (Probe(0.5, _generated),),
     "rollout.synthetic_lengths": (Probe(False, _requests),),
     "rollout.length_workload": (Probe("longtail-drift", _requests),),
+    "rollout.length_horizon_steps": (Probe(10, _lengths_later),
+                                     Refused(-1, "rollout.length_horizon_steps=-1")),
     "rollout.batch_rows": (Probe(8, _generated),),
     "rollout.max_prompt_tokens": (Probe(8, _requests),
                                   Refused(4000, "rollout.max_prompt_tokens=4000", via=_job)),

@@ -70,3 +70,12 @@ def test_config_fields_are_checked():
     with pytest.raises(ConfigError) as e:
         build_config({"cluster": {"placement_strategy": "spread"}, "checkpoint": {"dir": " "}})
     assert "cluster.placement_strategy='spread'" in str(e.value) and "checkpoint.dir=' '" in str(e.value)
+
+
+def test_worker_env_pins_threads_and_quiets_vllm_unless_the_user_set_its_level():
+    from dynaresize.cluster.placement import worker_env
+
+    env = worker_env(2, environ={})["runtime_env"]["env_vars"]
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "2"
+    assert env["VLLM_LOGGING_LEVEL"] == "ERROR"
+    assert worker_env(1, environ={"VLLM_LOGGING_LEVEL": "DEBUG"})["runtime_env"]["env_vars"]["VLLM_LOGGING_LEVEL"] == "DEBUG"

@@ -103,12 +103,27 @@ def test_resolve_engine(no_vllm, monkeypatch):
     assert base.resolve_engine(_cfg(engine="hf")) == "hf"
     assert base.resolve_engine(_cfg(engine="auto")) == "hf"  # not importable
     monkeypatch.setattr(base, "_import_error", [None])  # importable from here on
+    monkeypatch.setattr(base, "host_memory_bytes", lambda: 1 << 40)  # room for every device's engine
     assert base.resolve_engine(_cfg(engine="auto")) == "vllm"
     det = build_config({"deterministic": True})
     assert base.resolve_engine(det) == "hf"  # only hf log-probs are batch-invariant bit for bit
     small_heads = build_config({"model": {"hidden_size": 64, "num_heads": 4}})  # head size 16
     assert base.resolve_engine(small_heads) == "hf"
     assert base.resolve_engine(build_config({}).rollout) == "hf"  # a bare RolloutConfig: no model known
+
+
+def test_auto_is_hf_where_one_cpu_engine_per_device_would_not_fit(have_vllm, monkeypatch):
+    monkeypatch.setattr(base, "_cuda_available", lambda: False)
+    monkeypatch.setattr(base, "host_memory_bytes", lambda: 24 << 30)
+    six = build_config({"cluster": {"devices": 6, "rollout_devices": 3}})
+    sixteen = build_config({"cluster": {"devices": 16, "rollout_devices": 8}})
+    assert base.resolve_engine(six) == "vllm" and base.auto_hf_reason(six) is None  # 6 x 1.8 GiB fits in 75% of 24
+    assert base.resolve_engine(sixteen) == "hf"
+    assert "16 CPU vLLM engines would need ~29 GiB" in base.auto_hf_reason(sixteen)
+    forced = build_config({"cluster": {"devices": 16, "rollout_devices": 8}, "rollout": {"engine": "vllm"}})
+    assert base.resolve_engine(forced) == "vllm"  # asked for by name: the user's call
+    monkeypatch.setattr(base, "_cuda_available", lambda: True)
+    assert base.resolve_engine(sixteen) == "vllm"  # GPU engines do not live in host memory
 
 
 def test_resolve_engine_refuses_vllm_where_it_cannot_run(have_vllm, monkeypatch):

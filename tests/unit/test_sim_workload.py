@@ -98,3 +98,38 @@ def test_lengths_for_step_reads_a_trace_by_its_step_numbers(tmp_path):
 def test_unknown_workload_is_a_config_error():
     with pytest.raises(ConfigError, match="nope"):
         sample_lengths("nope", 0, 1, 1, 8, seed=0)
+
+
+def test_a_horizon_compresses_a_workloads_time_constants_and_nothing_else(tmp_path):
+    from dynaresize.errors import ConfigError
+    from dynaresize.workload import lengths_for_step
+
+    n = 64
+    # Step 0 is the same whatever the horizon (the drift starts at 0); later steps drift faster
+    # under a shorter horizon; the workload's own horizon (300) is the default.
+    assert lengths_for_step("longtail-drift", 0, n, 0, horizon_steps=40) == lengths_for_step("longtail-drift", 0, n, 0)
+    assert lengths_for_step("longtail-drift", 30, n, 0, horizon_steps=300) == lengths_for_step("longtail-drift", 30, n, 0)
+    assert sum(lengths_for_step("longtail-drift", 30, n, 0, horizon_steps=40)) > \
+        1.3 * sum(lengths_for_step("longtail-drift", 30, n, 0))
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"step": 0, "response_tokens": [5, 6]}\n')
+    with pytest.raises(ConfigError, match="only a named workload has a horizon"):
+        lengths_for_step(str(trace), 0, 2, 0, horizon_steps=40)
+
+
+def test_the_emulator_and_the_simulator_share_the_horizon():
+    from dynaresize.config import build_config, merge
+    from dynaresize.emulate import Emulator
+    from dynaresize.presets import preset
+    from dynaresize.workload import batch_for_step
+
+    cfg = build_config(merge(preset("default"), {"rollout": {"length_workload": "longtail-drift",
+                                                             "length_horizon_steps": 40}}))
+    emu = Emulator.from_config(cfg)
+    n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    want = batch_for_step("longtail-drift", 20, n, cfg.seed, samples_per_prompt=cfg.rollout.samples_per_prompt,
+                          horizon_steps=40)
+    assert (emu.batch(20).response_tokens == want.response_tokens).all()
+    assert (emu.scenario(6).batch_of(20).response_tokens == want.response_tokens).all()
+    own = batch_for_step("longtail-drift", 20, n, cfg.seed, samples_per_prompt=cfg.rollout.samples_per_prompt)
+    assert not (own.response_tokens == want.response_tokens).all()

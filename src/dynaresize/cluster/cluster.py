@@ -26,12 +26,12 @@ import ray
 from dynaresize.cluster import placement
 from dynaresize.cluster.faults import FaultInjector, parse_faults
 from dynaresize.cluster.pacing import DriverPacing
-from dynaresize.cluster.placement import actor_options, make_placement_group, release_placement_group
+from dynaresize.cluster.placement import actor_options, make_placement_group, release_placement_group, worker_env
 from dynaresize.cluster.watchdog import DevicesLost, Watchdog
-from dynaresize.cluster.worker import BACKGROUND_TAG, remote_worker_class
+from dynaresize.cluster.worker import BACKGROUND_TAG, remote_worker_class, worker_config
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import rank_sets_for_split
-from dynaresize.config import RunConfig, config_to_dict
+from dynaresize.config import RunConfig
 from dynaresize.control import planner
 from dynaresize.emulate import run_bounds
 from dynaresize.roles.base import GenRequest
@@ -113,12 +113,8 @@ class Cluster:
         self._pg = make_placement_group(self.num_devices, use_gpu=use_gpu, cpus_per_device=cfg.cluster.cpus_per_device,
                                         strategy=cfg.cluster.placement_strategy)
         actor_cls = remote_worker_class()
-        cfg_dict = config_to_dict(cfg)
-        # Pin the math thread count in the worker's environment too: Ray may run methods on
-        # threads other than the one __init__ ran on, and thread counts change fp32 results.
-        threads = str(cfg.cluster.torch_threads)
-        env = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                                            "TOKENIZERS_PARALLELISM": "false"}}}
+        cfg_dict = worker_config(cfg)
+        env = worker_env(cfg.cluster.torch_threads)
         self.workers = [actor_cls.options(**actor_options(self._pg, d, use_gpu=use_gpu,
                                                            cpus_per_device=cfg.cluster.cpus_per_device), **env)
                         .remote(d, cfg_dict) for d in range(self.num_devices)]

@@ -34,10 +34,10 @@ from typing import Any
 import ray
 
 from dynaresize.cluster.cluster import Cluster, _cuda_available
-from dynaresize.cluster.placement import actor_options
-from dynaresize.cluster.worker import BACKGROUND_TAG, remote_worker_class
+from dynaresize.cluster.placement import actor_options, worker_env
+from dynaresize.cluster.worker import BACKGROUND_TAG, remote_worker_class, worker_config
 from dynaresize.comm import rendezvous
-from dynaresize.config import RunConfig, config_to_dict
+from dynaresize.config import RunConfig
 from dynaresize.types import ROLLOUT, TRAIN, ResizePlan
 
 # Phase names, in the order they run (LOAD_CHECKPOINT on training devices and BUILD_ENGINES on
@@ -78,14 +78,6 @@ class NaiveOutcome:
             lo_hi = spans.setdefault(p["name"], [p["t0"], p["t1"]])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], p["t0"]), max(lo_hi[1], p["t1"])
         return {name: hi - lo for name, (lo, hi) in spans.items()}
-
-
-def worker_env(cfg: RunConfig) -> dict:
-    """The actor options `Cluster.start` gives its workers beyond placement (same thread
-    pinning, so both paths compute with the same settings). Keep in step with cluster.py."""
-    threads = str(cfg.cluster.torch_threads)
-    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                                         "TOKENIZERS_PARALLELISM": "false"}}}
 
 
 def _dir_bytes(directory: Path) -> int:
@@ -150,10 +142,10 @@ def naive_resize(cluster: Cluster, plan: ResizePlan, *, version: int, step: int,
         t0 = time.time()
         use_gpu = cfg.cluster.backend == "nccl" or (cfg.cluster.backend == "auto" and _cuda_available())
         actor_cls = remote_worker_class()
-        cfg_dict = config_to_dict(cfg)
+        cfg_dict = worker_config(cfg)
         workers = [actor_cls.options(**actor_options(cluster._pg, d, use_gpu=use_gpu,
                                                      cpus_per_device=cfg.cluster.cpus_per_device),
-                                     **worker_env(cfg)).remote(d, cfg_dict)
+                                     **worker_env(cfg.cluster.torch_threads)).remote(d, cfg_dict)
                    for d in range(cluster.num_devices)]
         infos = ray.get([w.info.remote() for w in workers])
         out.new_pids = [int(i["pid"]) for i in infos]

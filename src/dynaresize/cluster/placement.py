@@ -18,6 +18,8 @@ Invariant: bundle index == device id == world rank of the worker placed in it (f
 
 from __future__ import annotations
 
+import os
+
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -95,6 +97,19 @@ def make_placement_group(
             f"(cluster resources {dict(have)}; other jobs may hold them, or no node fits the strategy)"
         ) from None
     return pg
+
+
+def worker_env(torch_threads: int, environ: dict | None = None) -> dict:
+    """The runtime env every device worker gets (the elastic cluster and the naive baseline
+    alike, so both compute with the same settings): the math thread count pinned in the
+    environment too (Ray may run methods on threads other than the one __init__ ran on, and
+    thread counts change fp32 results), and vLLM's own logging at ERROR unless the user set
+    `VLLM_LOGGING_LEVEL` (its per-engine INFO lines would drown the run's output)."""
+    environ = os.environ if environ is None else environ
+    threads = str(torch_threads)
+    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                                         "TOKENIZERS_PARALLELISM": "false",
+                                         "VLLM_LOGGING_LEVEL": environ.get("VLLM_LOGGING_LEVEL", "ERROR")}}}
 
 
 def actor_options(

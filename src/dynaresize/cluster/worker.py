@@ -461,6 +461,16 @@ class DeviceWorker(RecoveryMixin, PacedMixin):
         return self.device
 
 
+def worker_config(cfg: RunConfig) -> dict:
+    """The config dict a device worker is built from: the run's, with `rollout.engine = auto`
+    resolved once on the driver (it looks at the host), so every device runs the same engine."""
+    from dynaresize.config import config_to_dict
+
+    out = config_to_dict(cfg)
+    out["rollout"]["engine"] = resolve_engine(cfg)
+    return out
+
+
 def remote_worker_class():
     """The Ray actor class; `bg` is the one background thread (see the module docstring)."""
     return ray.remote(concurrency_groups={"bg": 1, "ctl": 1})(DeviceWorker)

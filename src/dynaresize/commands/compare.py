@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
                 rec.emit("config", config=config_to_dict(cfg))
                 pred = predict(cfg, recorder=rec)
                 rec.emit("summary", summary=pred.summary())
-            results.append(_row(name, cfg, summary, steps, pred))
+            results.append(_row(name, summary, pred))
             origin = steps[0]["t_start_s"] if steps else 0.0  # step 0 holds the prologue in both
             timelines[name] = {"measured": [(s["t_start_s"] - origin, s["t_end_s"] - origin, s["num_rollout"])
                                             for s in steps],
@@ -118,7 +118,8 @@ def main(args: argparse.Namespace) -> int:
 
             ray.shutdown()
     doc = {"emulate": first.cluster.emulate, "time_scale": results[0]["time_scale"] if results else None,
-           "workload": first.rollout.length_workload, "devices": first.cluster.devices, "steps": first.steps,
+           "workload": first.rollout.length_workload, "length_horizon_steps": first.rollout.length_horizon_steps,
+           "devices": first.cluster.devices, "steps": first.steps,
            "samples_per_step": first.rollout.prompts_per_step * first.rollout.samples_per_prompt,
            "seed": first.seed, "time_unit": "emulated seconds of the steps (startup left out)", "results": results}
     (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -145,14 +146,14 @@ def _start_ray(cfg) -> bool:
     return True
 
 
-def _row(name: str, cfg, summary: dict, steps: list[dict], pred) -> dict:
-    n = cfg.cluster.devices
+def _row(name: str, summary: dict, pred) -> dict:
+    """One policy's line: the run's and the simulator's numbers, both assembled by metrics.py."""
     total = summary["total_time_s"]
-    idle = sum(s["idle_device_s"] for s in steps)
     p = pred.summary()
     return {
         "policy": name, "total_time_s": total, "samples_per_s": summary["samples_per_s"],
-        "idle_fraction": idle / (n * total) if total > 0 else 0.0, "resizes": summary["resizes"],
+        "idle_fraction": summary["idle_fraction"], "tail_idle_fraction": summary["tail_idle_fraction"],
+        "resizes": summary["resizes"],
         "resizes_to_rollout": summary["resizes_to_rollout"], "resizes_to_train": summary["resizes_to_train"],
         "rollout_devices_final": summary["rollout_devices_final"], "overhead_s": summary["overhead_s"],
         "overhead_fraction": summary["overhead_fraction"], "overrun_steps": summary["overrun_steps"],
@@ -170,7 +171,8 @@ def format_table(doc: dict) -> str:
     base_p = rows[0]["predicted_samples_per_s"] if rows else None
     head = (f"{'policy':<18}{'samples/s':>10}{'vs first':>9}{'predicted':>10}{'vs first':>9}{'error':>8}"
             f"{'idle':>7}{'resizes':>8}{'pred.':>6}{'overhead':>9}{'overrun':>8}{'ledger':>7}")
-    lines = [f"{doc['emulate']} emulated ({doc['time_unit']}), workload {doc['workload']}, {doc['devices']} devices, "
+    horizon = f" over {doc['length_horizon_steps']} steps" if doc.get("length_horizon_steps") else ""
+    lines = [f"{doc['emulate']} emulated ({doc['time_unit']}), workload {doc['workload']}{horizon}, {doc['devices']} devices, "
              f"{doc['steps']} steps, {doc['samples_per_step']} samples/step, seed {doc['seed']}", head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['policy']:<18}{r['samples_per_s']:>10.3f}{r['samples_per_s'] / base:>8.3f}x"

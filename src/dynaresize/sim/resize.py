@@ -6,7 +6,7 @@ then. Background ops overlap the next step; the optimizer-shard ops must end bef
 step's optimizer step, so when they end later than the training stage would, training waits
 (`optimizer_ready_s`).
 
-Lending (the `lend` baseline, REFERENCES 4: verl's hybrid replicas): when the training stage
+Lending (the `lend` baseline, docs/references.md 4: verl's hybrid replicas): when the training stage
 ends before the rollout stage, trainers offload their training state, wake a rollout engine and
 take a share of the remaining rollout work; they hand it back and reload their state before
 the next training stage. The model is deliberately generous to lending: the movable remaining
@@ -28,7 +28,7 @@ from dynaresize.control.planner import MOVE_OPTIMIZER_SHARDS, RECEIVE_OPTIMIZER_
 from dynaresize.sim.costs import Hardware, ModelPreset, op_cost
 from dynaresize.types import ROLLOUT, TRAIN, ResizePlan
 
-MIGRATE_S = 1.0  # re-prefill of migrated requests (REFERENCES 3.4: RollPacker migration <= 3 s)
+MIGRATE_S = 1.0  # re-prefill of migrated requests (docs/references.md 3.4: RollPacker migration <= 3 s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +112,7 @@ class LendOutcome:
 
 def lend_switch_s(model: ModelPreset, num_train: int, hw: Hardware = Hardware()) -> tuple[float, float]:
     """(in, out) seconds of a trainer turning into a rollout replica and back: offload / reload its
-    share of the training state over PCIe (REFERENCES 5) and wake / release an engine (3.3)."""
+    share of the training state over PCIe (docs/references.md 5) and wake / release an engine (3.3)."""
     share = model.train_state_bytes / max(num_train, 1)
     switch_in = share / hw.pcie_d2h_bw + model.engine_wake_s + model.kv_alloc_s
     switch_out = model.engine_release_s + share / hw.pcie_h2d_bw

@@ -2,7 +2,7 @@
 
 Batch size: `prompts_per_step` defaults to 2 prompts x 16 samples per device, i.e. 32 samples
 per device and step (RollPacker's Qwen2.5-14B setting: 128 prompts x 8 samples on 32 GPUs,
-REFERENCES 2.1). It does not change with the split: RL semantics fix the batch.
+docs/references.md 2.1). It does not change with the split: RL semantics fix the batch.
 
 Bounds: min_rollout = one replica (tp devices), move unit = tp, min_train = the memory floor of
 the training state (`costs.min_train_devices`), never below the user's PolicyConfig values.
@@ -67,13 +67,16 @@ class Scenario:
 
 
 def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model: str = "7b", seed: int = 0,
-                      prompts_per_step: int | None = None) -> Scenario:
+                      prompts_per_step: int | None = None, horizon_steps: int | None = None) -> Scenario:
+    """The named workload's job on `num_devices` (2 prompts x 16 samples per device unless
+    `prompts_per_step`), its time constants over `horizon_steps` (None: the workload's own)."""
     get_workload(workload)  # an unknown name is a ConfigError before anything runs
     _check(num_devices, num_steps)
     prompts = prompts_per_step or PROMPTS_PER_DEVICE * num_devices
 
     def batch_of(b: int) -> Batch:  # the runtime's emulator calls the same function (emulate.py)
-        return batch_for_step(workload, b, prompts * SAMPLES_PER_PROMPT, seed, samples_per_prompt=SAMPLES_PER_PROMPT)
+        return batch_for_step(workload, b, prompts * SAMPLES_PER_PROMPT, seed, samples_per_prompt=SAMPLES_PER_PROMPT,
+                              horizon_steps=horizon_steps)
 
     return Scenario(name=workload, num_devices=num_devices, num_steps=num_steps, model=get_model(model), seed=seed,
                     prompts_per_step=prompts, batch_of=batch_of)

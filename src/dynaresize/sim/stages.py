@@ -1,6 +1,6 @@
 """Stage-time models: the rollout of one batch on R devices and its training on n devices.
 
-Rollout (continuous batching per replica, REFERENCES 7.3): samples are routed round-robin in
+Rollout (continuous batching per replica, docs/references.md 7.3): samples are routed round-robin in
 sample order to the R / tp replicas. A replica admits up to C requests at once, where C is the
 vLLM sequence cap or what its KV memory holds at the batch's mean footprint (prompt + half the
 response); later requests wait for a free slot (FIFO; each wave is placed on the earliest-free

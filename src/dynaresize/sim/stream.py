@@ -39,7 +39,7 @@ Resizes (same controller, plans and op costs as `sim.engine`):
   routing) and finish the chunk they run (useful work); once no request is in flight on them
   (partial tails included) they release their engines and join the trainers at the next
   training boundary, where all trainers stall for join_train_group + receive_param_shards.
-  Migrating would re-prefill the moved requests elsewhere (REFERENCES 3.4: <= 3 s) and throw
+  Migrating would re-prefill the moved requests elsewhere (docs/references.md 3.4: <= 3 s) and throw
   away their decoded KV; a drain costs only the time the drained devices wait for the boundary.
   The policy is told the measured cost of a move as the resize idle it caused, in seconds of
   the whole cluster (device-seconds / devices), the same unit as a lock-step stall.

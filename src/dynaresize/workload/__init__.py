@@ -13,6 +13,7 @@ Pure except reading a trace file (cached by path, size and modification time).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,12 +26,21 @@ from dynaresize.workload.trace import Batch, load_trace, load_trace_steps
 SAMPLES_PER_PROMPT = 16  # the simulator's GRPO group size (RollPacker's 8-16 samples per prompt)
 
 
+def named_spec(workload: str, horizon_steps: int | None = None) -> WorkloadSpec:
+    """A named workload, with its time constants stretched or compressed to `horizon_steps`
+    (None or 0: its own `horizon_steps`). The horizon is part of the job, like the workload's
+    name: it never follows the run's number of steps."""
+    spec = get_workload(workload)
+    return replace(spec, horizon_steps=int(horizon_steps)) if horizon_steps else spec
+
+
 def lengths_for_step(workload: str, step: int, n: int, seed: int, *, samples_per_prompt: int = SAMPLES_PER_PROMPT,
-                     max_tokens: int | None = None) -> list[int]:
+                     max_tokens: int | None = None, horizon_steps: int | None = None) -> list[int]:
     """Response lengths (tokens) of the `n` samples of absolute step `step`.
 
     - A named workload: the model of `workload.lengths` with its cap rescaled to `max_tokens`
-      (default: the workload's own cap, `cap_tokens`); `n` need not be a multiple of
+      (default: the workload's own cap, `cap_tokens`) and its horizon set to `horizon_steps`
+      (default: its own, `named_spec`); `n` need not be a multiple of
       `samples_per_prompt` (the last prompt is cut short; every length stays what it would be
       in a larger batch).
     - A trace file: the first `n` responses of the line whose `step` equals `step`; with
@@ -42,7 +52,7 @@ def lengths_for_step(workload: str, step: int, n: int, seed: int, *, samples_per
     if n < 1 or samples_per_prompt < 1 or step < 0:
         raise ValueError(f"need n >= 1, samples_per_prompt >= 1, step >= 0 (got {n}, {samples_per_prompt}, {step})")
     if workload in WORKLOADS:
-        spec = WORKLOADS[workload]
+        spec = named_spec(workload, horizon_steps)
         prompts = -(-n // samples_per_prompt)
         cap = spec.cap_tokens if max_tokens is None else int(max_tokens)
         arr = sample_lengths_array(spec, step, prompts, samples_per_prompt, cap, seed)
@@ -51,6 +61,9 @@ def lengths_for_step(workload: str, step: int, n: int, seed: int, *, samples_per
     if not path.is_file():
         raise ConfigError([f"workload={workload!r}: neither a known workload ({', '.join(WORKLOADS)}) "
                            "nor a trace file"])
+    if horizon_steps:
+        raise ConfigError([f"horizon_steps={horizon_steps}: only a named workload has a horizon "
+                           f"(a trace's lengths are its own; got the trace {workload!r})"])
     st = os.stat(path)
     by_step, longest = _trace_index(str(path.resolve()), st.st_size, st.st_mtime_ns)
     batch = by_step.get(int(step))
@@ -66,12 +79,12 @@ def lengths_for_step(workload: str, step: int, n: int, seed: int, *, samples_per
 
 
 def batch_for_step(workload: str, step: int, n: int, seed: int, *,
-                   samples_per_prompt: int = SAMPLES_PER_PROMPT) -> Batch:
+                   samples_per_prompt: int = SAMPLES_PER_PROMPT, horizon_steps: int | None = None) -> Batch:
     """Step `step`'s first `n` samples at the workload's own lengths, with their prompt lengths:
     a named workload's `prompt_tokens` for every sample, a trace's own prompt lengths. The
     simulator and the emulated runtime size their work from this one batch."""
-    lengths = np.asarray(lengths_for_step(workload, step, n, seed, samples_per_prompt=samples_per_prompt),
-                         dtype=np.int64)
+    lengths = np.asarray(lengths_for_step(workload, step, n, seed, samples_per_prompt=samples_per_prompt,
+                                          horizon_steps=horizon_steps), dtype=np.int64)
     if workload in WORKLOADS:
         prompts = np.full(lengths.shape, WORKLOADS[workload].prompt_tokens, dtype=np.int64)
     else:
@@ -89,4 +102,4 @@ def _trace_index(path: str, size: int, mtime_ns: int) -> tuple[dict[int, Batch],
 
 
 __all__ = ["WORKLOADS", "WorkloadSpec", "Batch", "get_workload", "sample_lengths", "sample_lengths_array",
-           "lengths_for_step", "batch_for_step", "load_trace", "SAMPLES_PER_PROMPT"]
+           "lengths_for_step", "batch_for_step", "named_spec", "load_trace", "SAMPLES_PER_PROMPT"]

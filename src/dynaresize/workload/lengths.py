@@ -1,5 +1,6 @@
 """Response-length workloads: a hierarchical lognormal with per-prompt effects, drift over
-steps, a runaway-to-cap component and truncation (REFERENCES.md section 7.1 and 7.2).
+steps, a runaway-to-cap component and truncation (docs/references.md 7.1 and 7.2;
+bare section numbers below point there too).
 
 For step t, prompt p and sample j:
 
@@ -115,7 +116,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     # devices move back. Tuned in the simulator so every seed 0-2 moves both ways.
     "demo-cap-raise": WorkloadSpec(name="demo-cap-raise", mu0=math.log(1200.0), runaway0=0.006,
                                    cap_schedule=((0.0, 0.125), (0.5, 1.0)), horizon_steps=20),
-    # The CPU demo: the median first falls then rises (DeepScaleR's U, REFERENCES 2.3), so a short
+    # The CPU demo: the median first falls then rises (DeepScaleR's U, docs/references.md 2.3), so a short
     # real run sees rollout get lighter then heavier and resizes go both ways.
     # No runaway here: a demo's batch is small, and a random cap-length response would hide the U.
     # The U is deep (8x) so that a 4-device CPU run sees rollout-bound, then train-bound, then
