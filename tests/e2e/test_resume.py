@@ -54,6 +54,18 @@ def _digest_tree(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def _assert_workload_lengths(out: Path) -> None:
+    """Synthetic lengths were on: every response has its workload length, keyed by absolute step,
+    so resuming a 2-step run with --steps 4 continued the same job as the 4-step run."""
+    from dynaresize.job import Job
+    from dynaresize.ledger import sample_id_str
+
+    job = Job(job_config())
+    want = {sample_id_str(r.sample_id): r.forced_length for step in range(4) for g in job.requests(step) for r in g}
+    assert all(v is not None for v in want.values()) and len(set(want.values())) > 1
+    assert {k: r["num_tokens"] for k, r in samples(out).items()} == want
+
+
 def _check_resumed(out: Path, before: bytes, devices: int) -> None:
     after = (out / "records.jsonl").read_bytes()
     assert after.startswith(before) and len(after) > len(before)  # appended, nothing rewritten
@@ -74,6 +86,7 @@ def test_resume_on_three_devices_equals_the_uninterrupted_run(first4, tmp_path):
     assert _resume(out, "--steps", "4", "--devices", "3", "--rollout-devices", "1") == 0
     _check_resumed(out, before, devices=3)
     assert_same_run(out, reference_run())
+    _assert_workload_lengths(out)
 
 
 def test_corrupt_or_partial_checkpoint_is_refused_in_one_line(first4, tmp_path, capsys):
@@ -145,12 +158,4 @@ def test_resume_on_the_same_devices_keeps_the_policy_state(first4, tmp_path):
     assert summary["ledger_ok"] and summary["devices"] == 4
     assert_same_run(out, reference_run())
     assert len(samples(out)) == 4 * 16
-    # Synthetic lengths were on: every response has its workload length, keyed by absolute step,
-    # so resuming a 2-step run with --steps 4 continued the same job as the 4-step run.
-    from dynaresize.job import Job
-    from dynaresize.ledger import sample_id_str
-
-    job = Job(job_config())
-    want = {sample_id_str(r.sample_id): r.forced_length for step in range(4) for g in job.requests(step) for r in g}
-    assert all(v is not None for v in want.values()) and len(set(want.values())) > 1
-    assert {k: r["num_tokens"] for k, r in samples(out).items()} == want
+    _assert_workload_lengths(out)
