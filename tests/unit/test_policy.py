@@ -264,6 +264,8 @@ def test_hysteresis_under_streaming_moves_toward_the_throughput_balance_and_stay
             moves.append((s, r))
     best = min(range(1, 16), key=period)
     assert moves and moves[0][1] > 3
+    # the streaming pipeline's first reports are its warm-up: they do not count toward the dwell
+    assert moves[0][0] >= cfg.profile_steps - 1 + cfg.dwell_steps - 1
     assert abs(r - best) <= 1 and period(r) <= 1.05 * period(best)
     directions = [np.sign(b - a) for (_, a), (_, b) in zip([(0, 3)] + moves, moves)]
     assert all(x == directions[0] for x in directions)  # never back

@@ -88,6 +88,10 @@ class Hysteresis:
         if horizon <= 0:
             return Keep(reason="no steps left to pay a move back")
         learning = self.model.num_reports < cfg.profile_steps
+        if learning and self.stream:
+            # streaming: steps 0..eta start together from version 0, so the first reports are the
+            # pipeline's warm-up, not its steady state; they do not arm a move
+            return Keep(reason=f"learning {self.model.num_reports}/{cfg.profile_steps}")
         ahead = horizon / 2.0
         splits = self._splits()
         preds = self.model.step_curve(splits, n_dev, ahead)
@@ -100,7 +104,7 @@ class Hysteresis:
         direction = (target > r) - (target < r)
         count = self.persist.update(direction, rel >= cfg.enter_band, rel >= cfg.exit_band)
         self.last_prediction = {"current_s": current, "target_s": float(preds[j]), "target": target, "gain": rel}
-        if learning:  # the reports while profiling count toward the dwell; no move before profile_steps
+        if learning:  # one-step-off: the reports while profiling count toward the dwell; no move before profile_steps
             return Keep(reason=f"learning {self.model.num_reports}/{cfg.profile_steps}")
         if direction == 0 or count == 0:
             return Keep(reason=f"gain {rel:.3f} below band")
