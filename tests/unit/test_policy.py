@@ -117,7 +117,8 @@ def test_hysteresis_moves_to_the_better_split_after_dwell_and_stays():
     hys = make_policy(cfg, B, num_steps=100)
     r, moves = _run_world(hys, 3, 40)
     assert len(moves) >= 1
-    assert moves[0][0] >= cfg.profile_steps - 1 + cfg.dwell_steps - 1
+    # no move before profile_steps reports, nor before the gain persisted dwell_steps reports
+    assert moves[0][0] >= max(cfg.profile_steps - 1, cfg.dwell_steps - 1)
     best = min(range(1, 16), key=lambda x: max(60 + 800 / x, 1 + 1200 / (16 - x)))
     assert abs(r - best) <= 1
     assert len(moves) <= 2
@@ -135,6 +136,32 @@ def test_hysteresis_stops_moving_near_the_end():
     hys = make_policy(replace(PolicyConfig(), name="hysteresis", enter_band=0.05, exit_band=0.02), B, num_steps=5)
     r, moves = _run_world(hys, 2, 5)
     assert all(s < 4 for s, _ in moves)
+
+
+def test_hysteresis_counts_profiling_reports_toward_the_dwell():
+    """The reports while profiling arm the move: with a persistent gain from the first report,
+    the first move comes at the last profiling report, not dwell_steps - 1 reports later."""
+    cfg = replace(PolicyConfig(), name="hysteresis", enter_band=0.05, exit_band=0.02, dwell_steps=2, profile_steps=3)
+    _, moves = _run_world(make_policy(cfg, B, num_steps=100), 3, 10)
+    assert moves and moves[0][0] == cfg.profile_steps - 1
+
+
+def test_hysteresis_gives_the_last_step_to_training():
+    """One-step-off: the last step only trains, so before it hysteresis moves to the smallest
+    rollout pool when the predicted training saving beats the move cost; a move that would still
+    be cooling down then is not made near the end, and the streaming pipeline keeps its split."""
+    cfg = replace(PolicyConfig(), name="hysteresis", enter_band=0.05, exit_band=0.02)
+    best = min(range(1, 16), key=lambda x: max(60 + 800 / x, 1 + 1200 / (16 - x)))
+    K = 30
+    r, moves = _run_world(make_policy(cfg, B, num_steps=K), best, K - 1)
+    assert moves == [(K - 2, B.splits()[0])] and r == 1
+    # far from the end it is not done
+    _, moves = _run_world(make_policy(cfg, B, num_steps=10 * K), best, K - 1)
+    assert moves == []
+    # a cheap gain does not pay a costly move: training barely shrinks with devices
+    hys = make_policy(replace(cfg, move_cost_prior_s=10.0), B, num_steps=K)
+    _, moves = _run_world(hys, best, K - 1, d=1.0, floor=1.0, k=10.0)
+    assert all(t != B.splits()[0] for _, t in moves)
 
 
 def test_greedy_rebalances_by_device_seconds():
@@ -237,6 +264,8 @@ def test_hysteresis_under_streaming_moves_toward_the_throughput_balance_and_stay
             moves.append((s, r))
     best = min(range(1, 16), key=period)
     assert moves and moves[0][1] > 3
+    # the streaming pipeline's first reports are its warm-up: they do not count toward the dwell
+    assert moves[0][0] >= cfg.profile_steps - 1 + cfg.dwell_steps - 1
     assert abs(r - best) <= 1 and period(r) <= 1.05 * period(best)
     directions = [np.sign(b - a) for (_, a), (_, b) in zip([(0, 3)] + moves, moves)]
     assert all(x == directions[0] for x in directions)  # never back

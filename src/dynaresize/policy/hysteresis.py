@@ -77,14 +77,21 @@ class Hysteresis:
             self.model.update(report)
         self._learn_cost(report)
         cfg = self.cfg
-        if self.model.num_reports < cfg.profile_steps:
-            return Keep(reason=f"learning {self.model.num_reports}/{cfg.profile_steps}")
         r = report.num_rollout
         n_dev = r + report.num_train
         left = cfg.horizon_steps if self.num_steps is None else self.num_steps - report.step - 1
-        horizon = min(cfg.horizon_steps, left)
+        if left == 1 and not self.stream:
+            return self._last_step(report)
+        # one-step-off: the last step only trains (`_last_step`); a move whose cooldown would
+        # still run then, or whose gain is summed over it, does not count on it
+        horizon = min(cfg.horizon_steps, left if self.stream else left - 1 - cfg.cooldown_steps)
         if horizon <= 0:
             return Keep(reason="no steps left to pay a move back")
+        learning = self.model.num_reports < cfg.profile_steps
+        if learning and self.stream:
+            # streaming: steps 0..eta start together from version 0, so the first reports are the
+            # pipeline's warm-up, not its steady state; they do not arm a move
+            return Keep(reason=f"learning {self.model.num_reports}/{cfg.profile_steps}")
         ahead = horizon / 2.0
         splits = self._splits()
         preds = self.model.step_curve(splits, n_dev, ahead)
@@ -97,6 +104,8 @@ class Hysteresis:
         direction = (target > r) - (target < r)
         count = self.persist.update(direction, rel >= cfg.enter_band, rel >= cfg.exit_band)
         self.last_prediction = {"current_s": current, "target_s": float(preds[j]), "target": target, "gain": rel}
+        if learning:  # one-step-off: the reports while profiling count toward the dwell; no move before profile_steps
+            return Keep(reason=f"learning {self.model.num_reports}/{cfg.profile_steps}")
         if direction == 0 or count == 0:
             return Keep(reason=f"gain {rel:.3f} below band")
         if self._last_move is not None and report.step - self._last_move[0] <= cfg.cooldown_steps:
@@ -112,6 +121,24 @@ class Hysteresis:
         self.persist.reset()
         self._last_move = (report.step, direction)
         return move_to(r, target, reason=f"predicted {rel:.1%} faster at {target} ({current:.1f}s -> {preds[j]:.1f}s)")
+
+    def _last_step(self, report: StepReport) -> Decision:
+        """Before the run's last step, which only trains (one-step-off: no batch is left to roll
+        out): the step is fastest with the fewest rollout devices. Move there when the predicted
+        saving beats `cost_margin` x the move cost, unless that reverses a recent move."""
+        r = report.num_rollout
+        n_dev = r + report.num_train
+        target = int(self._splits()[0])
+        if target >= r:
+            return Keep(reason="last step: rollout pool already minimal")
+        gain = self.model.train_s(n_dev - r) - self.model.train_s(n_dev - target)
+        if self._last_move is not None and self._last_move[1] > 0 \
+                and report.step - self._last_move[0] < self.reversal_window_steps:
+            return Keep(reason="last step: would reverse within the window")
+        if gain <= self.cfg.cost_margin * self.move_cost_s:
+            return Keep(reason=f"last step: gain {gain:.1f}s <= {self.cfg.cost_margin} x cost {self.move_cost_s:.1f}s")
+        self._last_move = (report.step, -1)
+        return move_to(r, target, reason=f"last step trains only: {gain:.1f}s faster at {target}")
 
     def _splits(self) -> np.ndarray:
         if self._splits_cache is None or self._splits_cache[0] is not self.bounds:
