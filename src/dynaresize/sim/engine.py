@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
+from dynaresize.metrics import throughput_fields
 from dynaresize.sim.resize import ResizeTiming, lend_step, time_plan
 from dynaresize.sim.scenarios import Scenario
 from dynaresize.sim.stages import StageModel
@@ -90,9 +91,12 @@ class PolicyResult:
 
     def summary(self) -> dict:
         denom = self.num_devices * self.total_time_s if self.total_time_s > 0 else 1.0
+        # total time, samples/s, idle and tail-idle fractions: the runtime's assembly (metrics.py)
+        headline = throughput_fields(num_devices=self.num_devices, total_time_s=self.total_time_s,
+                                     num_samples=self.num_samples, idle_device_s=self.idle_device_s,
+                                     tail_idle_device_s=self.tail_idle_device_s)
         return {
-            "policy": self.policy, "total_time_s": self.total_time_s, "samples_per_s": self.samples_per_s,
-            "idle_fraction": self.idle_device_s / denom, "tail_idle_fraction": self.tail_idle_device_s / denom,
+            "policy": self.policy, **headline,
             "bubble_idle_fraction": self.bubble_idle_device_s / denom,
             "resize_idle_fraction": self.resize_idle_device_s / denom,
             "resizes": self.resizes, "reversals": self.reversals, "refusals": self.refusals,
