@@ -51,7 +51,8 @@ def good(prompt, response, fields):
 def _run(*argv: str) -> int:
     from dynaresize.cli import main
 
-    return main(["run", "--no-progress", *argv])
+    preset = [] if "--resume" in argv else ["--preset", "cpu"]  # this machine's own speed (a resume keeps its config)
+    return main(["run", "--no-progress", *preset, *argv])
 
 
 def _config_file(tmp_path: Path, **over) -> Path:

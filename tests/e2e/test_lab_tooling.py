@@ -43,7 +43,7 @@ def lab_run(ray_local, tmp_path_factory):  # noqa: F811
     backends = "tensorboard,mlflow" + (",wandb" if HAVE_WANDB else "")
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = main(["run", "--no-progress", "--config", str(cfg), "--out", str(base / "run"), "--inject", FAULT,
+        code = main(["run", "--no-progress", "--preset", "cpu", "--config", str(cfg), "--out", str(base / "run"), "--inject", FAULT,
                      "--set", f"logging.backends={backends}", "--set", "eval.every_steps=2",
                      "--set", "eval.num_prompts=4"])
     assert code == 0, err.getvalue()[-3000:]

@@ -85,7 +85,7 @@ def test_node_lost_mid_run_recovers_on_the_survivors(two_nodes, tmp_path):
     (tmp_path / "job.json").write_text(json.dumps(job_data()))
     _wait_all_cpus_free()
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "dynaresize", "run", "--no-progress", "--config",
+    proc = subprocess.run([sys.executable, "-m", "dynaresize", "run", "--no-progress", "--preset", "cpu", "--config",
                            str(tmp_path / "job.json"), "--out", str(out), "--inject", "node:3@train:1",
                            "--set", "cluster.placement_strategy=SPREAD", "--set", f"checkpoint.dir={shared}",
                            "--set", "checkpoint.every_steps=2"],

@@ -32,7 +32,7 @@ def vllm_pair(tmp_path_factory):
     try:
         out = {}
         for name, policy in (("scripted", {"name": "scripted", "schedule": "2:2,4:1"}), ("static", {"name": "static:1"})):
-            cfg = build_config(merge(merge(preset("default"), common), {"policy": policy}))
+            cfg = build_config(merge(merge(preset("cpu"), common), {"policy": policy}))
             out[name] = (base / name, run_job(cfg, base / name, progress=False))
         yield out
     finally:

@@ -231,6 +231,9 @@ def test_router_sends_each_device_its_replica_at_once():
     unpaced = DriverPacing(_cfg())
     assert unpaced.rollout_chunks(2, groups, 4) == groups and unpaced.train_s(2, 4) is None
     assert math.isclose(pacing.train_s(2, 4), pacing.emulator.train_s(2, 4))
+    evals = [[GenRequest(sample_id=(-1, p, s), prompt_ids=[1], max_new_tokens=4, seed=0) for s in range(4)]
+             for p in range(2)]
+    assert pacing.rollout_chunks(-1, evals, 4) == evals  # evaluation (step -1) is not modelled: unpaced
 
 
 def test_emulate_flag_replaces_the_presets_emulation_and_its_time_scale():

@@ -99,7 +99,7 @@ class DriverPacing:
         """The router's queue: unchanged without emulation (one prompt group per dispatch);
         emulated, one `PacedRequests` per rollout device, as the simulator's replicas split the
         step (`Emulator.rollout_plan`; requests not in `groups` are left out)."""
-        if self.emulator is None or num_devices < 1:
+        if self.emulator is None or num_devices < 1 or step < 0:  # step < 0: evaluation, not modelled
             return list(groups)
         index = self.emulator.sample_index
         present = {index(r.sample_id): r for g in groups for r in g}
