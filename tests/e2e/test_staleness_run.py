@@ -7,12 +7,11 @@ tokens and end with the same parameters (within 1e-6), though the static one als
 (which drains every engine and gives it the newest version between windows).
 """
 
-import os
-
 import pytest
 
-ray = pytest.importorskip("ray")
+pytest.importorskip("ray")
 
+from _runs import ray_local  # noqa: F401
 from dynaresize.config import build_config
 from dynaresize.presets import preset
 from dynaresize.records import read_records
@@ -22,14 +21,6 @@ pytestmark = pytest.mark.dist
 
 STEPS = 6
 ETA = 2
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _cfg(eval_every=0, **policy):
