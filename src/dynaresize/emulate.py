@@ -250,18 +250,27 @@ def start_split(cfg: Any) -> int:
 def predict(cfg: Any, policy_name: str | None = None, recorder: Any = None):
     """The simulator's run of the job `cfg` (emulated) under `policy_name` (default: its own),
     started as the runtime starts it: at `cluster.rollout_devices` unless the policy names its
-    split, with the same bounds and no pilot. Returns a `sim.engine.PolicyResult`."""
+    split, with the same bounds and no pilot. Returns a `sim.engine.PolicyResult`.
+
+    With `train.staleness` >= 2 it is the streaming engine as the runtime runs it: each step
+    trains once all its samples are in and an engine runs one share at a time (the simulator's
+    `accumulate` and `admit` overlaps off)."""
     from dynaresize.policy.base import make_policy
     from dynaresize.sim.engine import run_policy
+    from dynaresize.sim.stream import run_stream
 
     emu = Emulator.from_config(cfg)
     if emu is None:
         raise ConfigError(["cluster.emulate=None: a prediction needs an emulated accelerator (ACCEL:MODEL)"])
     pcfg = replace(cfg.policy, name=policy_name or cfg.policy.name)
     bounds = run_bounds(cfg)
-    policy = make_policy(pcfg, bounds, num_steps=cfg.steps)
+    eta = int(cfg.train.staleness)
+    policy = make_policy(pcfg, bounds, num_steps=cfg.steps, staleness=max(eta, 1))
     start = _start(policy, cfg)
     scenario = emu.scenario(cfg.cluster.devices)
+    if eta >= 2:
+        return run_stream(scenario, scenario.stages(), policy, bounds, start_rollout=start, staleness=eta,
+                          accumulate=False, admit=False, reversal_window=pcfg.horizon_steps, recorder=recorder)
     return run_policy(scenario, scenario.stages(), policy, bounds, start_rollout=start,
                       reversal_window=pcfg.horizon_steps, recorder=recorder)
 

@@ -143,6 +143,10 @@ class StepReport:
     rollout_slots: int = 0  # requests one replica admits at once (sequence cap or KV memory)
     rollout_serial_s: float = 0.0
     rollout_sync_s: float = 0.0
+    # Seconds the trainers ran the step after its last sample arrived: all of `train_s` where a
+    # step trains once its samples are in, the last groups and the optimizer step where they
+    # accumulate gradients as groups arrive. 0 where not measured (read as `train_s`).
+    train_tail_s: float = 0.0
     # The step's response lengths in tokens (any order); empty where not reported. The
     # throughput model of the streaming pipeline reads them to predict chunk times at other
     # pool sizes (the expected longest response of a chunk of m samples).

@@ -1,5 +1,6 @@
-"""The streaming pipeline (staleness >= 2): versions, the window, idle accounting, partial
-rollout, drain resizes, the exact best-static sweep, and the shell's checks."""
+"""The streaming pipeline (staleness >= 2): versions, the window, idle accounting, the two
+overlaps (accumulate, admit), partial rollout, drain resizes, the exact best-static sweep, and
+the shell's checks."""
 
 from dataclasses import replace
 
@@ -34,10 +35,10 @@ def bounds(sc):
     return sc.bounds(PolicyConfig())
 
 
-def _engine(sc, stages, bounds, policy, start, eta=2, partial=False):
+def _engine(sc, stages, bounds, policy, start, eta=2, partial=False, accumulate=True, admit=True):
     rec = Recorder(None)
     eng = StreamEngine(sc, stages, policy, bounds, start_rollout=start, staleness=eta, partial=partial,
-                       reversal_window=4, recorder=rec)
+                       accumulate=accumulate, admit=admit, reversal_window=4, recorder=rec)
     return eng, eng.run(), rec
 
 
@@ -46,15 +47,24 @@ def test_rollout_version():
     assert [rollout_version(k, 1) for k in range(3)] == [0, 0, 1]
 
 
-@pytest.mark.parametrize("eta", [2, 3])
-def test_versions_window_and_training_order(sc, stages, bounds, eta):
-    eng, res, rec = _engine(sc, stages, bounds, Planned("s", [12] * K), 12, eta=eta)
+@pytest.mark.parametrize("eta,accumulate", [(2, False), (2, True), (3, True)])
+def test_versions_window_and_training_order(sc, stages, bounds, eta, accumulate):
+    eng, res, rec = _engine(sc, stages, bounds, Planned("s", [12] * K), 12, eta=eta, accumulate=accumulate)
     steps = rec.of_kind("step")
     assert [s["step"] for s in steps] == list(range(K))
+    fixed = stages.model.train_comm_s
     for s in steps:
         k = s["step"]
         assert s["version"] == max(0, k - eta) and s["version_max"] == s["version"]
-        assert s["train_start_s"] >= s["rollout_done_s"] - 1e-9  # a step trains only when all its samples are in
+        train_end = s["t_end_s"] - s["sync_s"]
+        if accumulate:  # the optimizer step follows the step's last sample
+            assert train_end >= s["rollout_done_s"] + fixed - 1e-9
+        else:  # a step trains only when all its samples are in
+            assert s["train_start_s"] >= s["rollout_done_s"] - 1e-9
+            assert s["train_tail_s"] == pytest.approx(s["train_s"])
+        # the compute is the same either way: the step's chunks add up to its training
+        assert s["train_s"] == pytest.approx(stages.train(k, s["num_train"]).time_s, rel=1e-9)
+        assert s["train_tail_s"] <= s["train_s"] + 1e-9
         if k - eta - 1 >= 0:  # released only once version k - eta is published
             assert s["released_s"] >= steps[k - eta - 1]["t_end_s"] - 1e-9
     # at most eta + 1 steps in rollout at once
@@ -68,10 +78,14 @@ def test_versions_window_and_training_order(sc, stages, bounds, eta):
     # replicas do not wait for a step's last response: some step is released before the previous one is done
     assert any(steps[k]["released_s"] < steps[k - 1]["rollout_done_s"] for k in range(1, K))
     assert res.max_staleness == eta and res.mixed_version_samples == 0
+    if accumulate:  # trainers start some step before its last sample is in
+        assert any(s["train_start_s"] < s["rollout_done_s"] for s in steps)
 
 
-def test_idle_accounting_adds_up(sc, stages, bounds):
-    eng, res, rec = _engine(sc, stages, bounds, Planned("s", [10] * K), 10)
+@pytest.mark.parametrize("partial,accumulate,admit", [(False, False, False), (False, True, True), (True, True, True)])
+def test_idle_accounting_adds_up(sc, stages, bounds, partial, accumulate, admit):
+    eng, res, rec = _engine(sc, stages, bounds, Planned("s", [10] * K), 10, partial=partial, accumulate=accumulate,
+                            admit=admit)
     total = N * res.total_time_s
     assert res.busy_device_s + res.idle_device_s == pytest.approx(total, rel=1e-9)
     assert res.idle_device_s == pytest.approx(res.bubble_idle_device_s + res.resize_idle_device_s)
@@ -89,6 +103,21 @@ def test_streaming_beats_its_own_one_step_off_pipeline_at_the_same_split(sc, sta
     stream = run_stream(sc, stages, Planned("s", [12] * K), bounds, start_rollout=12, staleness=2)
     assert stream.total_time_s < lock.total_time_s
     assert stream.num_samples == lock.num_samples
+
+
+def test_each_overlap_saves_time_at_the_same_split(sc, stages, bounds):
+    """accumulate: trainers wait less for a step's last share; admit: a replica's next share of
+    the same version runs under its last requests. Same split, same samples, same versions."""
+    plan = Planned("s", [12] * K)
+    runs = {(acc, adm): _engine(sc, stages, bounds, plan, 12, accumulate=acc, admit=adm)[1]
+            for acc, adm in [(False, False), (True, False), (False, True), (True, True)]}
+    base = runs[(False, False)]
+    assert runs[(True, False)].train_wait_idle_device_s < base.train_wait_idle_device_s
+    assert runs[(True, False)].total_time_s < base.total_time_s
+    assert runs[(False, True)].total_time_s < base.total_time_s
+    assert runs[(True, True)].total_time_s < min(runs[(True, False)].total_time_s, runs[(False, True)].total_time_s)
+    assert all(r.num_samples == base.num_samples and r.max_staleness == 2 and r.mixed_version_samples == 0
+               for r in runs.values())
 
 
 def test_partial_rollout_records_version_ranges_within_the_bound(sc, stages, bounds):
@@ -129,26 +158,26 @@ def test_stream_engine_needs_staleness_2(sc, stages, bounds):
         StreamEngine(sc, stages, Planned("s", [8] * K), bounds, start_rollout=8, staleness=1)
 
 
-@pytest.mark.parametrize("partial", [False, True])
-def test_best_static_sweep_is_exact(partial):
-    # (with partial rollout a bound from whole share times would exceed the true total here)
+@pytest.mark.parametrize("partial,admit", [(False, False), (False, True), (True, True)])
+def test_best_static_sweep_is_exact(partial, admit):
+    # (with tails overlapping the next share a bound from whole share times would exceed the true total)
     small = workload_scenario("longtail-stationary", num_devices=16, num_steps=20, seed=0)
     st = small.stages(batch_cache=20)
     b = small.bounds(PolicyConfig())
-    best, total, simulated, bound = stream_best_static(small, st, b, b.splits(), 2, partial)
+    best, total, simulated, bound = stream_best_static(small, st, b, b.splits(), 2, partial, admit=admit)
     everything = {r: run_stream(small, st, Planned("s", [r] * 20), b, start_rollout=r, staleness=2,
-                                partial=partial).total_time_s for r in b.splits()}
+                                partial=partial, admit=admit).total_time_s for r in b.splits()}
     assert best == min(everything, key=lambda r: (everything[r], r))
     assert total == pytest.approx(everything[best])
     assert all(bound[r] <= everything[r] + 1e-6 for r in b.splits())  # a true lower bound
     assert set(simulated) <= set(b.splits())
-    assert stream_lower_bound(st, 16, 20, best, partial) <= total
+    assert stream_lower_bound(st, 16, 20, best, partial or admit) <= total
 
 
 def test_simulate_streaming_summary_and_refusals(sc):
     small = workload_scenario("longtail-drift", num_devices=12, num_steps=12, seed=0)
     doc = simulate(small, ["static-profiled", "best-static", "hysteresis"], staleness=2)
-    assert doc["staleness"] == 2 and doc["partial"] is False
+    assert doc["staleness"] == 2 and doc["partial"] is False and doc["accumulate"] and doc["admit"]
     res = {r["policy"]: r for r in doc["results"]}
     assert res["best-static"]["samples_per_s"] >= max(s["samples_per_s"] or 0 for s in doc["static_sweep"]) - 1e-9
     for r in doc["results"]:
@@ -157,6 +186,10 @@ def test_simulate_streaming_summary_and_refusals(sc):
         simulate(small, ["oracle"], staleness=2)
     with pytest.raises(ConfigError, match="partial rollout needs staleness"):
         simulate(small, ["hysteresis"], staleness=1, partial=True)
+    with pytest.raises(ConfigError, match="accumulate=False: streaming-pipeline switches"):
+        simulate(small, ["hysteresis"], staleness=1, accumulate=False)
+    with pytest.raises(ConfigError, match="admit=False with partial=True"):
+        simulate(small, ["hysteresis"], staleness=2, partial=True, admit=False)
     with pytest.raises(ConfigError, match="staleness=0"):
         simulate(small, ["hysteresis"], staleness=0)
 

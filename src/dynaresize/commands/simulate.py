@@ -39,6 +39,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "1 = one-step-off (default), >= 2 = streaming (see docs/pipeline.md)")
     p.add_argument("--partial", action="store_true",
                    help="partial rollout (streaming only): a running request continues under newer weights")
+    p.add_argument("--no-accumulate", dest="accumulate", action="store_false",
+                   help="streaming only: train a step once all its samples are in (default: the trainers "
+                        "accumulate gradients over its prompt groups as they arrive; what the runtime does not do yet)")
+    p.add_argument("--no-admit", dest="admit", action="store_false",
+                   help="streaming only: a replica takes its next share only when its current one has ended "
+                        "(default: it admits the next share of the same weight version while the last requests "
+                        "of its current one decode; what the runtime does not do yet)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="policy.FIELD=VALUE",
                    help="override a policy setting, e.g. --set policy.enter_band=0.05 (repeatable)")
@@ -64,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
     from dynaresize.sim.trace import load_trace
 
     cfg = policy_config(args.overrides)
-    check_pipeline(args.staleness, args.partial)
+    check_pipeline(args.staleness, args.partial, args.accumulate, args.admit)
     spec = args.policies if args.policies is not None else ",".join(default_policies(args.staleness))
     policies = [p.strip() for p in spec.split(",") if p.strip()]
     if not policies:
@@ -84,7 +91,8 @@ def main(args: argparse.Namespace) -> int:
         scenario = workload_scenario(args.workload, num_devices=args.devices, num_steps=args.steps or 300,
                                      model=args.model, seed=args.seed, horizon_steps=args.horizon_steps)
     progress = not args.quiet and sys.stderr.isatty()
-    doc = simulate(scenario, policies, cfg, staleness=args.staleness, partial=args.partial, out_dir=args.out,
+    doc = simulate(scenario, policies, cfg, staleness=args.staleness, partial=args.partial,
+                   accumulate=args.accumulate, admit=args.admit, out_dir=args.out,
                    progress=progress, write_plots=not args.no_plots)
     print(format_table(doc))
     print(f"wrote {args.out}/summary.json, one records.jsonl per policy"

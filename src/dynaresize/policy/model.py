@@ -258,6 +258,7 @@ class StreamStageModel:
         self.train_d = RollingWindow(window)
         self.train_d_trend = RollingWindow(trend_window)
         self.publish = RollingWindow(window)
+        self.train_tail_d = RollingWindow(window)  # device-seconds trained after the step's last sample
         self.excess = RollingWindow(window)  # X: latency beyond the pool's time per step
         self.share_work = RollingWindow(window)  # non-serial seconds per sample on one replica
         self.eta = max(int(staleness), 1)
@@ -265,7 +266,10 @@ class StreamStageModel:
         self._splits: np.ndarray | None = None
 
     def update(self, report: StepReport, splits) -> None:
-        self.num_reports += 1
+        # Steps 0..eta start together from version 0: the pipeline's warm-up. Their reports
+        # feed the fit but do not count as learned (a policy waits for steady-state reports).
+        if report.step > self.eta:
+            self.num_reports += 1
         self._batch = max(report.num_samples, len(report.response_lengths), 1)
         self._slots = report.rollout_slots if report.rollout_slots > 0 else self._batch
         splits = np.asarray(splits, dtype=np.int64)
@@ -278,10 +282,13 @@ class StreamStageModel:
         self.train_d.push(d)
         self.train_d_trend.push(d)
         self.publish.push(max(report.sync_s, 0.0))
+        tail = report.train_tail_s if report.train_tail_s > 0 else report.train_s
+        self.train_tail_d.push(max(min(tail, report.train_s) - c, 0.0) * n)
         curve = self._roll_curve(report, splits)
         self._curves.append(curve)
         self._measured_at.append(int(report.num_rollout))
-        self._update_excess(report, splits, curve)
+        if report.step > self.eta:  # steps 0..eta are released together at the start: no latency sample
+            self._update_excess(report, splits, curve)
         self._curves = self._curves[-self.trend_window:]
         self._measured_at = self._measured_at[-self.trend_window:]
         here = int(np.argmin(np.abs(splits - report.num_rollout)))
@@ -376,7 +383,11 @@ class StreamStageModel:
         B = self._batch
         share = np.minimum(self._slots, -(-B // np.maximum(splits // self.unit, 1)))
         latency = t_roll + self.excess.mean() + share * self.share_work.mean()
-        return {"rollout": t_roll, "train": t_train, "window": (latency + t_train) / (self.eta + 1)}
+        # What the window must hold after the step's last sample: all of training where a step
+        # trains once its samples are in, only its last groups and the optimizer step where the
+        # trainers accumulate as groups arrive (both measured: `train_tail_s`).
+        tail = self.train_c.mean() + self.train_tail_d.mean() / n + self.publish.mean()
+        return {"rollout": t_roll, "train": t_train, "window": (latency + tail) / (self.eta + 1)}
 
     def step_curve(self, splits, num_devices: int, ahead: float = 0.0) -> np.ndarray:
         """Predicted seconds per step (the period) at each split."""

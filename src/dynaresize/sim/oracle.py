@@ -174,11 +174,12 @@ def stream_pilot_split(stages: StageModel, bounds: Bounds, num_steps: int, profi
 
 
 def stream_lower_bound(stages: StageModel, num_devices: int, num_steps: int, num_rollout: int,
-                       partial: bool = False) -> float:
+                       tails_overlap: bool = False) -> float:
     """A lower bound on a fixed split's total time in the streaming pipeline: the trainers run
     every training step and every publish but the last one back to back, and the rollout pool
-    runs every share (without its weight pulls) on its replicas; with partial rollout a share
-    holds its replica only until its body ends (its longest request overlaps the next share)."""
+    runs every share (without its weight pulls) on its replicas; where a share's tail may
+    overlap the next share (partial rollout, same-version admission) a share holds its replica
+    only until its body ends."""
     n = num_devices - num_rollout
     train = sum(stages.train(k, n).time_s for k in range(num_steps))
     train += (num_steps - 1) * publish_s(stages.model, n, stages.hw)
@@ -188,12 +189,13 @@ def stream_lower_bound(stages: StageModel, num_devices: int, num_steps: int, num
         b = stages.batch(k).num_samples
         share = min(stages.slots(k), -(-b // n_rep))
         chunks = (stages.chunk(k, lo, min(lo + share, b)) for lo in range(0, b, share))
-        roll += sum(c.body_s if partial else c.time_s for c in chunks)
+        roll += sum(c.body_s if tails_overlap else c.time_s for c in chunks)
     return max(train, roll / n_rep)
 
 
 def stream_best_static(scenario, stages: StageModel, bounds: Bounds, splits: tuple[int, ...], staleness: int,
-                       partial: bool, on_run=None) -> tuple[int, float, dict[int, float], dict[int, float]]:
+                       partial: bool, on_run=None, *, accumulate: bool = True,
+                       admit: bool = True) -> tuple[int, float, dict[int, float], dict[int, float]]:
     """(split, total seconds, {simulated split: total}, {split: lower bound}) of the fastest fixed
     split. Exact by branch and bound: splits are simulated in order of their lower bound
     (`stream_lower_bound`) until the next bound is no better than the best simulated total."""
@@ -201,14 +203,14 @@ def stream_best_static(scenario, stages: StageModel, bounds: Bounds, splits: tup
     from dynaresize.sim.stream import run_stream
 
     K, N = scenario.num_steps, scenario.num_devices
-    bound = {r: stream_lower_bound(stages, N, K, r, partial) for r in splits}
+    bound = {r: stream_lower_bound(stages, N, K, r, partial or admit) for r in splits}
     totals: dict[int, float] = {}
     best = None
     for r in sorted(splits, key=lambda x: (bound[x], x)):
         if best is not None and bound[r] >= totals[best]:
             break
         res = run_stream(scenario, stages, Planned("best-static", [r] * K), bounds, start_rollout=r,
-                         staleness=staleness, partial=partial)
+                         staleness=staleness, partial=partial, accumulate=accumulate, admit=admit)
         totals[r] = res.total_time_s
         if best is None or (totals[r], r) < (totals[best], best):
             best = r

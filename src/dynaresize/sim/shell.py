@@ -57,13 +57,20 @@ def check_policy_names(names: list[str], staleness: int = 1) -> None:
                                "and the oracle's per-step program do not apply"])
 
 
-def check_pipeline(staleness: int, partial: bool) -> None:
+def check_pipeline(staleness: int, partial: bool, accumulate: bool = True, admit: bool = True) -> None:
     errors = []
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
         errors.append(f"staleness={staleness!r}: must be an integer >= 1 (1 = one-step-off)")
     elif partial and staleness < 2:
         errors.append("partial=True: partial rollout needs staleness >= 2 (in the one-step-off pipeline no newer "
                       "weights arrive while a request runs)")
+    elif staleness < 2 and not (accumulate and admit):
+        off = [name for name, on in (("accumulate", accumulate), ("admit", admit)) if not on]
+        errors.append(f"{'/'.join(off)}=False: streaming-pipeline switches (staleness >= 2); the one-step-off "
+                      "pipeline trains a step whose samples are all in and runs one batch per replica")
+    elif partial and not admit:
+        errors.append("admit=False with partial=True: partial rollout admits the next share under any version, "
+                      "so it includes same-version admission")
     if errors:
         raise ConfigError(errors)
 
@@ -89,10 +96,15 @@ def resize_cost_table(scenario: Scenario, bounds, pilot: int) -> dict:
 
 
 def simulate(scenario: Scenario, policies: list[str], cfg: PolicyConfig = PolicyConfig(), *,
-             staleness: int = 1, partial: bool = False, out_dir: str | Path | None = None, progress: bool = False,
+             staleness: int = 1, partial: bool = False, accumulate: bool = True, admit: bool = True,
+             out_dir: str | Path | None = None, progress: bool = False,
              write_plots: bool = True, on_progress: Callable[[int], None] | None = None) -> dict:
-    """Run every policy on the scenario; returns the summary (also written to out_dir)."""
-    check_pipeline(staleness, partial)
+    """Run every policy on the scenario; returns the summary (also written to out_dir).
+    `accumulate` and `admit` switch the streaming pipeline's two overlaps (`sim.stream`)."""
+    check_pipeline(staleness, partial, accumulate, admit)
+    pipe = {"staleness": staleness, "partial": partial}
+    if staleness >= 2:
+        pipe |= {"accumulate": accumulate, "admit": admit}
     check_policy_names(policies, staleness)
     stream = staleness >= 2
     K, N = scenario.num_steps, scenario.num_devices
@@ -111,7 +123,8 @@ def simulate(scenario: Scenario, policies: list[str], cfg: PolicyConfig = Policy
     table = sweep = None
     reference = None
     if need_table and stream:
-        sweep = stream_best_static(scenario, stages, bounds, splits, staleness, partial, on_run=tick)
+        sweep = stream_best_static(scenario, stages, bounds, splits, staleness, partial, on_run=tick,
+                                   accumulate=accumulate, admit=admit)
         r1, total1 = best_static(build_table(stages, splits, N, K))  # the one-step-off pipeline's
         reference = {"rollout_devices": r1, "total_time_s": total1,
                      "samples_per_s": scenario.total_samples() / total1 if total1 > 0 else 0.0}
@@ -132,11 +145,11 @@ def simulate(scenario: Scenario, policies: list[str], cfg: PolicyConfig = Policy
                                        "model": scenario.model.name, "seed": scenario.seed, "start_rollout": start,
                                        "bounds": {"min_rollout": bounds.min_rollout, "min_train": bounds.min_train,
                                                   "move_unit": bounds.move_unit},
-                                       "staleness": staleness, "partial": partial,
-                                       "policy_config": cfg.__dict__ | {"name": name}})
+                                       **pipe, "policy_config": cfg.__dict__ | {"name": name}})
             if stream:
                 res = run_stream(scenario, stages, policy, bounds, start_rollout=start, staleness=staleness,
-                                 partial=partial, reversal_window=cfg.horizon_steps, recorder=rec, on_step=tick)
+                                 partial=partial, accumulate=accumulate, admit=admit,
+                                 reversal_window=cfg.horizon_steps, recorder=rec, on_step=tick)
             else:
                 res = run_policy(scenario, stages, policy, bounds, start_rollout=start,
                                  reversal_window=cfg.horizon_steps, recorder=rec, on_step=tick)
@@ -150,8 +163,8 @@ def simulate(scenario: Scenario, policies: list[str], cfg: PolicyConfig = Policy
            "seed": scenario.seed, "samples_per_step": scenario.samples_per_step, "pilot_rollout": pilot,
            "bounds": {"min_rollout": bounds.min_rollout, "min_train": bounds.min_train, "move_unit": bounds.move_unit},
            "grid": len(splits) < len(bounds.splits()), "reversal_window_steps": cfg.horizon_steps,
-           "resize_cost_model": resize_cost_table(scenario, bounds, pilot), "staleness": staleness,
-           "partial": partial, "static_sweep": _static_sweep(table, sweep, scenario), "results": results}
+           "resize_cost_model": resize_cost_table(scenario, bounds, pilot), **pipe,
+           "static_sweep": _static_sweep(table, sweep, scenario), "results": results}
     if reference is not None:
         doc["best_static_staleness_1"] = reference  # same workload and devices, one-step-off
     if out is not None:

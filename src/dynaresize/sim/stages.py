@@ -76,6 +76,8 @@ class _BatchData:
         seq = P + L
         self.seq_sum = float(seq.sum())
         self.seq_sq_sum = float((seq * seq).sum())
+        self.seq_cum = np.concatenate([[0.0], np.cumsum(seq)])
+        self.seq_sq_cum = np.concatenate([[0.0], np.cumsum(seq * seq)])
 
 
 class StageModel:
@@ -235,6 +237,13 @@ class StageModel:
             v = train_device_s(self.model, d.seq_sum, d.seq_sq_sum, self.hw)
             self._train_dev_s[b] = v
         return v
+
+    def train_chunk_device_s(self, b: int, lo: int, hi: int) -> float:
+        """Device-seconds of training compute for samples lo..hi-1 of batch `b` (the compute is
+        a sum over sequences, so a step's chunks add up to `train_device_s(b)`)."""
+        d = self.data(b)
+        return train_device_s(self.model, float(d.seq_cum[hi] - d.seq_cum[lo]),
+                              float(d.seq_sq_cum[hi] - d.seq_sq_cum[lo]), self.hw)
 
     def train(self, b: int, num_train: int) -> TrainTime:
         key = (b, num_train)

@@ -85,6 +85,7 @@ class _Rep:
     tails: int = 0  # partial: chunks whose longest request still decodes here
     draining: bool = False
     idle_since: float | None = 0.0
+    busy_until: float = 0.0  # the last end of anything it runs (a share or a tail under it)
 
 
 @dataclass(eq=False)
@@ -93,6 +94,8 @@ class _Chunk:
     rep: _Rep
     end_s: float
     version_max: int
+    lo: int = 0
+    hi: int = 0
     token: int = 0
 
 
@@ -112,6 +115,8 @@ class _Step:
     sync_s: float = 0.0
     version_max: int = 0
     mixed: int = 0
+    backlog: float = 0.0  # accumulate: training device-seconds of ended chunks the trainers have not taken
+    last_train_dev_s: float = 0.0  # accumulate: training device-seconds of the chunk that ended last
 
 
 @dataclass(eq=False)
@@ -128,11 +133,16 @@ class StreamEngine:
     """One policy on the streaming pipeline; `run()` returns its PolicyResult."""
 
     def __init__(self, scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *, start_rollout: int,
-                 staleness: int, partial: bool = False, reversal_window: int = 0, recorder=None,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 staleness: int, partial: bool = False, accumulate: bool = True, admit: bool = True,
+                 reversal_window: int = 0,
+                 recorder=None, on_step: Callable[[int], None] | None = None) -> None:
         if staleness < 2:
             raise ValueError(f"staleness={staleness}: the streaming engine needs >= 2 (1 is sim.engine)")
         self.sc, self.stages, self.eta, self.partial = scenario, stages, int(staleness), bool(partial)
+        self.accumulate, self.admit = bool(accumulate), bool(admit) or bool(partial)
+        self.tr_step: int | None = None  # overlap: the step the trainers accumulate
+        self.tr_cursor = 0.0  # overlap: when the trainers finish the chunks they were given
+        self.tr_waited: dict[int, float] = {}  # overlap: device-seconds trainers waited inside step k
         self.N, self.K, self.tp = scenario.num_devices, scenario.num_steps, stages.tp
         self.rec = recorder if recorder is not None else _Null()
         self.on_step = on_step
@@ -209,14 +219,17 @@ class StreamEngine:
             st = self.queue[0]
             share = min(st.slots, -(-st.num_samples // max(self.active_reps, 1)))
             ready = [r for r in free if r.version == st.version]  # no pull needed: served first
-            order = ready + [r for r in free if r.version != st.version]
+            # A replica still decoding tails (admit) takes only a share of the version it holds.
+            order = ready + [r for r in free if r.version != st.version and (self.partial or not r.tails)]
             used = 0
             for rep in order:
                 if st.next >= st.num_samples:
                     break
                 self.start_chunk(rep, st, now, min(share, st.num_samples - st.next))
                 used += 1
-            free = order[used:]
+            if used == 0 and st.next < st.num_samples:
+                break  # the free replicas still decode another version's tails
+            free = order[used:] + [r for r in free if r not in order]
             free.sort(key=lambda r: r.rid)
             if st.next >= st.num_samples:
                 self.queue.popleft()
@@ -241,14 +254,20 @@ class StreamEngine:
         t0 = now + pull
         time_s = ch.time_s
         end = t0 + time_s
-        body_end = t0 + ch.body_s if self.partial else end
-        st.work_s += time_s * self.tp
-        st.serial_s += ch.serial_s * self.tp
+        body_end = t0 + ch.body_s if self.admit else end
+        # Busy is the union of what runs on the replica: a share admitted under a tail (admit,
+        # partial) overlaps it and is not counted twice, so busy + idle = devices x time. The
+        # step is told the same: the overlap is serial decode steps the tail did not cost.
+        ends = [end] + [c.end_s for c in self.tails.get(rep.rid, ())]
+        hidden = max(0.0, min(end, rep.busy_until) - now) if rep.tails else 0.0
+        self.rollout_work += max(0.0, max(ends) - max(now, rep.busy_until)) * self.tp
+        rep.busy_until = max([rep.busy_until] + ends)
+        st.work_s += (time_s - hidden) * self.tp
+        st.serial_s += max(ch.serial_s - hidden, 0.0) * self.tp
         st.sync_s += pull * self.tp
-        self.rollout_work += (pull + time_s) * self.tp
-        c = _Chunk(step=st.k, rep=rep, end_s=end, version_max=st.version)
+        c = _Chunk(step=st.k, rep=rep, end_s=end, version_max=st.version, lo=lo, hi=lo + m)
         rep.running = True
-        if self.partial and end > body_end + 1e-9:
+        if self.admit and end > body_end + 1e-9:
             rep.tails += 1
             self.tails.setdefault(rep.rid, []).append(c)
             self.push(body_end, "free", rep)
@@ -282,6 +301,8 @@ class StreamEngine:
             if rep.draining:
                 self._check_drained(rep, now)
         self._chunk_ended(c, now)
+        if self.admit and not self.partial and not rep.running and rep.tails == 0 and not rep.draining:
+            self.dispatch(now)  # it may now pull another version
 
     def _chunk_ended(self, c: _Chunk, now: float) -> None:
         st = self.steps[c.step]
@@ -289,9 +310,19 @@ class StreamEngine:
         if c.version_max > st.version:
             st.mixed += 1
             st.version_max = max(st.version_max, c.version_max)
+        if self.accumulate:
+            w = self.stages.train_chunk_device_s(c.step, c.lo, c.hi)
+            st.last_train_dev_s = w
+            if self.tr_step == c.step:
+                self._feed(c.step, w, now)
+            else:
+                st.backlog += w
         if st.left == 0 and st.next >= st.num_samples:
             st.done_s = now
-            self.try_train(now)
+            if self.accumulate and self.tr_step == c.step:
+                self._finish_train(c.step, now)
+            else:
+                self.try_train(now)
 
     # ------------------------------------------------------------------ training
 
@@ -307,11 +338,20 @@ class StreamEngine:
             return
         k = self.train_next
         st = self.steps.get(k)
-        if k >= self.K or st is None or st.done_s is None:
+        if k >= self.K or st is None or (st.done_s is None and not self.accumulate):
             return
         n = self.num_train
         self._flush_trainers(now)
         self.trainer_idle_since = None
+        if self.accumulate:
+            self.trainers_busy = True
+            self.train_start[k] = (now, n)
+            self.tr_step, self.tr_cursor, self.tr_waited[k] = k, now, 0.0
+            self._feed(k, st.backlog, now)
+            st.backlog = 0.0
+            if st.done_s is not None:
+                self._finish_train(k, now)
+            return
         dur = self.stages.train(k, n).time_s
         if self.opt_ready is not None:
             dur = max(dur, self.opt_ready - now)
@@ -321,9 +361,31 @@ class StreamEngine:
         self.train_dur[k] = dur
         self.push(now + dur, "train_end", k)
 
+    def _feed(self, k: int, device_s: float, now: float) -> None:
+        """Overlap: the trainers take `device_s` of step k's compute when they are free, from now."""
+        n = self.train_start[k][1]
+        if now > self.tr_cursor:
+            self.tr_waited[k] += (now - self.tr_cursor) * n
+            self.tr_cursor = now
+        self.tr_cursor += device_s / n
+
+    def _finish_train(self, k: int, now: float) -> None:
+        """Overlap: every chunk of step k is in; the fixed part (optimizer step, exposed
+        communication) follows the last chunk's compute."""
+        start, n = self.train_start[k]
+        end = max(self.tr_cursor, now) + self.stages.model.train_comm_s
+        if self.opt_ready is not None:
+            end = max(end, self.opt_ready)
+            self.opt_ready = None
+        self.tr_step = None
+        self.train_dur[k] = end - start - self.tr_waited[k] / n  # compute only: what the policy fits
+        self.push(end, "train_end", k)
+
     def on_train_end(self, now: float, k: int) -> None:
         start, n = self.train_start[k]
-        self.train_busy += (now - start) * n
+        waited = self.tr_waited.pop(k, 0.0)
+        self.train_busy += (now - start) * n - waited
+        self.train_wait += waited
         self.train_next = k + 1
         if k == self.K - 1:
             self.publish[k] = 0.0
@@ -492,13 +554,18 @@ class StreamEngine:
         self.res.mixed_version_samples += st.mixed
         self.res.max_version_span = max(self.res.max_version_span, st.version_max - st.version)
         rollout_s = (st.done_s or now) - st.released_s
+        # The training that cannot start before the step's last sample (what the window must
+        # hold): all of it, or with accumulate the last chunk's share and the fixed part.
+        fixed = self.stages.model.train_comm_s
+        train_tail = (min(fixed + st.last_train_dev_s / n, self.train_dur[k]) if self.accumulate
+                      else self.train_dur[k])
         self.rec.emit("step", step=k, t_start_s=self.last_report_s, t_end_s=now, rollout_s=rollout_s,
                       train_s=self.train_dur[k], sync_s=self.publish[k], num_rollout=a.num_rollout, num_train=n,
                       idle_device_s=step_idle, tail_idle_device_s=0.0, step_s=step_s, staleness=self.eta,
                       version=st.version, version_max=st.version_max, mixed_version_samples=st.mixed,
                       released_s=st.released_s, rollout_done_s=st.done_s, train_start_s=start,
                       rollout_work_s=st.work_s, rollout_serial_s=st.serial_s, rollout_sync_s=st.sync_s,
-                      rollout_chunks=st.chunks, rollout_floor_s=d.floor_s, rollout_slots=st.slots)
+                      train_tail_s=train_tail, rollout_chunks=st.chunks, rollout_floor_s=d.floor_s, rollout_slots=st.slots)
         report = StepReport(step=k, now_s=now, num_rollout=a.num_rollout, num_train=n, rollout_s=rollout_s,
                             train_s=self.train_dur[k], sync_s=self.publish[k], step_s=step_s,
                             rollout_work_s=st.work_s, rollout_longest_s=d.floor_s,
@@ -507,7 +574,7 @@ class StreamEngine:
                             resize_critical_s=self.measured_cost, rollout_floor_s=d.floor_s,
                             rollout_longest_tokens=int(lengths.max()) if lengths.size else 0,
                             rollout_chunks=st.chunks, rollout_slots=st.slots, rollout_serial_s=st.serial_s,
-                            rollout_sync_s=st.sync_s,
+                            rollout_sync_s=st.sync_s, train_tail_s=train_tail,
                             response_lengths=tuple(lengths.tolist()) if self.lengths_wanted else ())
         self.measured_cost = None
         self.last_report_s = now
@@ -539,8 +606,10 @@ class StreamEngine:
 
 
 def run_stream(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *, start_rollout: int, staleness: int,
-               partial: bool = False, reversal_window: int = 0, recorder=None,
+               partial: bool = False, accumulate: bool = True, admit: bool = True, reversal_window: int = 0,
+               recorder=None,
                on_step: Callable[[int], None] | None = None) -> PolicyResult:
     """Simulate one policy on the streaming pipeline (see the module docstring)."""
     return StreamEngine(scenario, stages, policy, bounds, start_rollout=start_rollout, staleness=staleness,
-                        partial=partial, reversal_window=reversal_window, recorder=recorder, on_step=on_step).run()
+                        partial=partial, accumulate=accumulate, admit=admit, reversal_window=reversal_window, recorder=recorder,
+                        on_step=on_step).run()
