@@ -219,10 +219,18 @@ class Emulator:
     def report(self, report: StepReport, rollout_step: int | None) -> StepReport:
         """A step report (already in emulated seconds) with what an engine on the emulated
         hardware knows: the floor of the rollout it measured (its longest response at its
-        batch-1 pace) and the training stage's fixed exposed time."""
+        batch-1 pace) and the training stage's fixed exposed time; under streaming (the report
+        counts engine calls) also the shares' serial part, the engine's admission limit and the
+        emulated response lengths, which the throughput model reads."""
         floor = self.rollout_floor_s(rollout_step) if rollout_step is not None else 0.0
+        extra = {}
+        if report.rollout_chunks > 0 and rollout_step is not None:  # streaming: the shares' serial part
+            _, serial, _ = self.stages.replica_detail(rollout_step, report.num_rollout)
+            extra = {"rollout_serial_s": float(serial.sum()) * self.model.rollout_tp,
+                     "rollout_slots": self.stages.slots(rollout_step),
+                     "response_lengths": tuple(int(x) for x in self.batch(rollout_step).response_tokens)}
         return replace(report, rollout_floor_s=min(floor, report.rollout_s) if report.rollout_s > 0 else 0.0,
-                       train_fixed_s=min(self.train_fixed_s, report.train_s))
+                       train_fixed_s=min(self.train_fixed_s, report.train_s), **extra)
 
     # ------------------------------------------------------------------ the same job in the simulator
 
@@ -277,16 +285,21 @@ def predict(cfg: Any, policy_name: str | None = None, recorder: Any = None):
 
 def best_static(cfg: Any) -> tuple[int, float]:
     """(rollout devices, samples/s) of the best fixed split in hindsight for the job `cfg`, as the
-    simulator predicts it (a sweep over the legal splits, `sim.oracle.best_static`)."""
+    simulator predicts it (a sweep over the legal splits, `sim.oracle.best_static`; with
+    `train.staleness` >= 2 the streaming engine as the runtime runs it, `stream_best_static`)."""
     from dynaresize.sim.oracle import best_static as sweep
-    from dynaresize.sim.oracle import build_table, grid
+    from dynaresize.sim.oracle import build_table, grid, stream_best_static
 
     emu = Emulator.from_config(cfg)
     if emu is None:
         raise ConfigError(["cluster.emulate=None: a prediction needs an emulated accelerator (ACCEL:MODEL)"])
     scenario = emu.scenario(cfg.cluster.devices)
-    table = build_table(scenario.stages(), grid(run_bounds(cfg)), cfg.cluster.devices, cfg.steps)
-    split, total = sweep(table)
+    bounds, eta = run_bounds(cfg), int(cfg.train.staleness)
+    if eta >= 2:
+        split, total, _, _ = stream_best_static(scenario, scenario.stages(), bounds, grid(bounds), eta, False,
+                                                accumulate=False, admit=False)
+    else:
+        split, total = sweep(build_table(scenario.stages(), grid(bounds), cfg.cluster.devices, cfg.steps))
     return split, scenario.total_samples() / total
 
 

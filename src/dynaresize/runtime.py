@@ -111,7 +111,8 @@ class Run:
         if same:  # resumed on the same devices with the same policy: it goes on where it was
             return state["controller"], state["controller"].assignment
         bounds = run_bounds(cfg)  # the policy's limits (raised to an emulated accelerator's)
-        policy = make_policy(cfg.policy, bounds, num_steps=cfg.steps)
+        # Streaming (staleness >= 2): hysteresis swaps its model for the throughput model.
+        policy = make_policy(cfg.policy, bounds, num_steps=cfg.steps, staleness=max(cfg.train.staleness, 1))
         # A policy may name its split from step 0 (static:R, a scripted step-0 entry).
         start = None if state else getattr(policy, "start_rollout", None)
         assignment = Assignment.split(cfg.cluster.devices, cfg.cluster.rollout_devices if start is None else start)
@@ -306,7 +307,8 @@ class Run:
             rollout_work_s=rollout_work, rollout_longest_s=longest,
             rollout_floor_s=longest, num_samples=len(scored.samples), response_tokens=scored.num_tokens,
             idle_device_s=max(0.0, a.num_devices * window - busy), tail_idle_device_s=tail_idle,
-            resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens)
+            resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens,
+            **(self._stream_fields(step, scored, sync) if self.stream else {}))
         report = self.timing.report(report, rolled_step)
         self.last_critical_s = None
         self.stats["idle_device_s"] += report.idle_device_s
@@ -319,8 +321,18 @@ class Run:
                       response_len_mean=scored.num_tokens / max(1, len(scored.samples)),
                       response_len_max=scored.longest_tokens,
                       rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
+                      **({"rollout_chunks": report.rollout_chunks} if self.stream else {}),
                       recoveries=w.recoveries, **train_fields(train_stats), **timing)
         return report
+
+    def _stream_fields(self, step: int, scored: ScoredStep, pulls: list[dict]) -> dict:
+        """What the streaming throughput model reads (`policy.model.StreamStageModel`): the
+        step's response lengths, how many engine calls it was cut into, and the device-seconds
+        engines spent pulling weights in the window."""
+        c = self.timing.clock
+        return {"response_lengths": tuple(len(s.response_ids) for s in scored.samples),
+                "rollout_chunks": self.stream.router.items_per_step.pop(step, 0),
+                "rollout_sync_s": sum(c.span(p["t0"], p["t1"]) for p in pulls)}
 
     def _decide(self, step: int, report: StepReport) -> None:
         commands = self.controller.on_report(report)

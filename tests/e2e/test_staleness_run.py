@@ -60,6 +60,8 @@ def test_staleness_2_with_resizes_keeps_the_ledger_and_the_bound(stream_pair):
     assert all(0 <= x <= ETA for x in lag) and ETA in lag
     # which weights generate a sample depends only on its step
     assert all(s["version"] == max(0, s["consumed_step"] - ETA) for s in samples)
+    # the throughput model is told how many engine calls each step was cut into: one per prompt group
+    assert [s["rollout_chunks"] for s in read_records(out / "records.jsonl", "step")] == [4] * STEPS
 
 
 def test_staleness_2_run_with_resizes_equals_static_run(stream_pair):

@@ -900,3 +900,17 @@ def test_runtime_evidence_exists(path, index, ev):
     assert (ROOT / relpath).is_file(), ev.test
     assert name in _test_functions(relpath), f"{path}: {ev.test} does not exist"
     assert ev.asserts.strip()
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_the_runtimes_hysteresis_models_its_own_pipeline(staleness):
+    """train.staleness >= 2: the runtime's hysteresis fits the streaming throughput model (a
+    step's rollout latency is no stage time there); 0 and 1 keep the one-step-off model."""
+    from dynaresize.policy.model import OnlineStageModel, StreamStageModel
+    from dynaresize.runtime import Run
+
+    run = Run.__new__(Run)
+    run.cfg = build_config(merge(preset("cpu"), {"train": {"staleness": staleness}, "policy": {"name": "hysteresis"}}))
+    ctl, _ = run._controller({})
+    want = StreamStageModel if staleness >= 2 else OnlineStageModel
+    assert isinstance(ctl.policy.model, want) and ctl.policy.stream == (staleness >= 2)

@@ -177,6 +177,28 @@ def test_prediction_runs_the_runtimes_policy_from_the_runtimes_split():
     assert res.total_time_s == pytest.approx(k_total, rel=1e-9)
 
 
+def test_streaming_prediction_is_the_runtimes_pipeline():
+    """train.staleness >= 2: predict and best_static run the streaming engine as the runtime runs
+    it (a step trains once its samples are in, one share per engine at a time)."""
+    from dynaresize.emulate import best_static
+    from dynaresize.policy.baselines import Planned
+    from dynaresize.sim.stream import run_stream
+
+    cfg = build_config(merge(preset("default"), {"steps": 6, "train": {"staleness": 2}}))
+    emu = Emulator.from_config(cfg)
+    sc = emu.scenario(cfg.cluster.devices)
+    bounds = run_bounds(cfg)
+    res = predict(cfg, "static:3")
+    same = run_stream(sc, sc.stages(), Planned("s", [3] * 6), bounds, start_rollout=3, staleness=2,
+                      accumulate=False, admit=False)
+    assert res.staleness == 2 and res.total_time_s == pytest.approx(same.total_time_s, rel=1e-12)
+    split, rate = best_static(cfg)
+    totals = {r: run_stream(sc, sc.stages(), Planned("s", [r] * 6), bounds, start_rollout=r, staleness=2,
+                            accumulate=False, admit=False).total_time_s for r in bounds.splits()}
+    assert split == min(totals, key=lambda r: (totals[r], r))
+    assert rate == pytest.approx(sc.total_samples() / totals[split])
+
+
 # ------------------------------------------------------------------ time scaling
 
 

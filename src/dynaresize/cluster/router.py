@@ -45,13 +45,16 @@ class StreamRouter:
         self.meta: dict[Any, tuple[int, int, Any, Any]] = {}  # ref -> (rank, step, item, pull ref)
         self.calls: list[tuple[int, int, float, float]] = []  # (device, step, t0, t1) ended since `take_calls`
         self.pulls: list[dict] = []  # weight pulls ended since `take_pulls`
+        self.items_per_step: dict[int, int] = {}  # step -> items (engine calls) it was cut into
 
     # ------------------------------------------------------------------ steps and engines
 
     def release(self, step: int, groups: list[list[Any]]) -> None:
         """Queue `step` (its weights exist): its groups, or emulated one share per rollout device."""
         n = max(1, len(self.cluster.assignment.devices(ROLLOUT)))
-        self.queue.release(step, self.cluster.pacing.rollout_chunks(step, groups, n))
+        items = self.cluster.pacing.rollout_chunks(step, groups, n)
+        self.items_per_step[step] = len(items)
+        self.queue.release(step, items)
         self.buffers[step] = StepRollout(step=step, remaining=[], t0=time.time())
 
     def set_engines(self, devices, version: int) -> None:

@@ -29,10 +29,12 @@ from dynaresize.presets import PRESETS, preset
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "run", help="run the elastic RL job (default: the embedded 4-device CPU demo)",
-        description="Run a disaggregated, one-step-off-policy GRPO job on Ray device workers whose "
-        "rollout/train split follows the workload. With no arguments: local Ray, 4 CPU devices, a "
-        "tiny Qwen2 model, the toy task, the hysteresis policy, synthetic long-tail lengths.",
+        "run", help="run the elastic RL job (default: the embedded demo, 6 devices paced as A100s running a 7B)",
+        description="Run a disaggregated GRPO job (one-step-off by default; streaming with "
+        "train.staleness >= 2) on Ray device workers whose rollout/train split follows the workload. "
+        "With no arguments: local Ray, 6 device workers paced as A100s running a 7B model "
+        "(cluster.emulate), a tiny Qwen2 really generating and training on the toy task, the hysteresis "
+        "policy, the demo-cap-raise length workload. --preset cpu: 4 CPU devices at this machine's own speed.",
         epilog="Flags left out keep the preset's (or the resumed run's) values; see docs/config.md.")
     p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting config (default: default)")
     p.add_argument("--config", metavar="FILE", help="TOML, YAML or JSON config file")
