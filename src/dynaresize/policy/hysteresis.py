@@ -14,6 +14,10 @@ current split (no move for a noise-level difference). Then:
 - the move cost is the measured critical time of this run's resizes (`resize_critical_s` of the
   report after a move), an exponentially weighted mean; before the first move a pessimistic prior.
 
+In the one-step-off pipeline the next step trains the batch just rolled out: its training
+demand is known (`StepReport.next_train_tokens`), so the next step's share of the summed gain,
+and the last step's saving, are predicted from it rather than from the window mean.
+
 Because the model knows the rollout floor (the longest response alone), it does not send
 devices to a tail-bound rollout stage: the predicted gain of such a move is about zero.
 
@@ -96,6 +100,12 @@ class Hysteresis:
         splits = self._splits()
         preds = self.model.step_curve(splits, n_dev, ahead)
         current = self.model.step_s(r, n_dev, ahead)
+        nxt = None if self.stream else self.model.step_curve_next(np.append(splits, r), n_dev)
+        if nxt is not None:
+            # one-step-off: the next step trains a batch already rolled out, so its step time is
+            # predicted from its known demand; the other horizon - 1 steps from the window
+            preds = (nxt[:-1] + (horizon - 1) * preds) / horizon
+            current = (float(nxt[-1]) + (horizon - 1) * current) / horizon
         near = np.flatnonzero(preds <= preds.min() * (1 + NEAR_BEST))
         j = int(near[np.argmin(np.abs(splits[near] - r))])  # the nearest of the near-best splits
         target = int(splits[j])
@@ -131,7 +141,7 @@ class Hysteresis:
         target = int(self._splits()[0])
         if target >= r:
             return Keep(reason="last step: rollout pool already minimal")
-        gain = self.model.train_s(n_dev - r) - self.model.train_s(n_dev - target)
+        gain = self.model.train_s_next(n_dev - r) - self.model.train_s_next(n_dev - target)
         if self._last_move is not None and self._last_move[1] > 0 \
                 and report.step - self._last_move[0] < self.reversal_window_steps:
             return Keep(reason="last step: would reverse within the window")
