@@ -146,6 +146,39 @@ def test_hysteresis_last_step_saving_uses_the_last_batchs_known_demand():
     assert isinstance(last_decision(10), Keep)
 
 
+def test_gain_samples_are_the_gain_once_per_report():
+    """Consistent reports give the model's own gain every time; reports that disagree spread."""
+    m = OnlineStageModel(window=5)
+    for s in range(5):
+        m.update(world(10, 6, step=s, floor=200.0))
+    g = m.gain_samples(10, 11, 16)
+    assert g.shape == (5,)
+    assert np.allclose(g, m.step_s(10, 16) - m.step_s(11, 16))
+    m2 = OnlineStageModel(window=5)
+    for s in range(5):
+        m2.update(world(10, 6, step=s, floor=200.0, k=(200.0, 1400.0)[s % 2]))
+    g2 = m2.gain_samples(10, 11, 16)
+    assert g2.max() > 0 > g2.min()
+
+
+def test_hysteresis_takes_a_gain_between_the_bands_only_when_the_reports_agree():
+    """One-step-off: a 2.6% gain (between exit 2% and enter 5%) that every report predicts arms
+    and moves; the same mean gain from reports that disagree is not significant; a gain below the
+    exit band never arms."""
+    cfg = replace(PolicyConfig(), name="hysteresis", enter_band=0.05, exit_band=0.02)
+    hys = make_policy(cfg, B, num_steps=100)
+    r, moves = _run_world(hys, 10, 12, floor=200.0)
+    assert moves and moves[0][1] == 11 and 0.02 < 280 / (200 + 800 / 11) - 1 < 0.05
+    assert hys._significant(10, 11, 16, 0.0)
+    noisy = make_policy(cfg, B, num_steps=100)
+    for s in range(12):
+        noisy.decide(world(10, 6, step=s, floor=200.0, k=(200.0, 1400.0)[s % 2]))
+    assert noisy.model.gain_samples(10, 11, 16, 10.0).mean() > 0
+    assert not noisy._significant(10, 11, 16, 10.0)
+    _, moves = _run_world(make_policy(replace(cfg, exit_band=0.03), B, num_steps=100), 10, 12, floor=200.0)
+    assert moves == []
+
+
 def test_expected_max_is_clark():
     assert expected_max(3.0, 1.0, 0.0) == 3.0
     rng = np.random.default_rng(0)

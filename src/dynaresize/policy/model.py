@@ -151,6 +151,31 @@ class OnlineStageModel:
     def step_s(self, num_rollout: int, num_devices: int, ahead: float = 0.0) -> float:
         return float(self.step_curve([num_rollout], num_devices, ahead)[0])
 
+    def gain_samples(self, num_rollout: int, target: int, num_devices: int, ahead: float = 0.0) -> np.ndarray:
+        """Predicted step-time gain of `target` over `num_rollout`, once per report of the window:
+        each from that report's own F, K, c and D (the trend, beta and noise shared). Their
+        spread says how far the reports agree on the gain (sync cancels in a gain)."""
+        _, k, _, d, _ = self._params(ahead)
+        n = min(self.window, len(self.train_d))
+        if n == 0:
+            return np.zeros(0)
+        ks = list(self._k_values().values)[-n:]
+        fs = list(self.floor.values)[-n:]
+        cs = list(self.train_c.values)[-n:]
+        ds = list(self.train_d.values)[-n:]
+        k_off = k - sum(ks) / len(ks)
+        d_off = d - self.train_d.mean()
+        r = np.array([max(num_rollout, 1), max(target, 1)], dtype=np.float64)
+        nt = np.maximum(num_devices - r, 1.0)
+        sd = np.hypot(self.roll_obs.noise_sd(), self.train_obs.noise_sd() * self._train_obs_n / nt)
+        out = []
+        for fi, ki, ci, di in zip(fs, ks, cs, ds):
+            a = fi + max(ki + k_off, 0.0) / r ** self.beta
+            b = ci + max(di + d_off, 0.0) / nt
+            e = expected_max(a, b, sd)
+            out.append(float(e[0] - e[1]))
+        return np.asarray(out)
+
     def step_curve_next(self, splits, num_devices: int) -> np.ndarray | None:
         """Expected time of the next step at each split when its training demand is known
         (`next_train_d`): training is then exact (no noise term), the rollout is the window's.
