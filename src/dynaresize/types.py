@@ -151,6 +151,12 @@ class StepReport:
     # throughput model of the streaming pipeline reads them to predict chunk times at other
     # pool sizes (the expected longest response of a chunk of m samples).
     response_lengths: tuple[int, ...] = ()
+    # Training demand of the batches, in sequence tokens (prompt + response) summed over samples:
+    # the batch trained in this step, and the batch the next step trains. In the one-step-off
+    # pipeline the next step trains the batch this step rolled out, so its tokens are known
+    # exactly before the decision. 0 where not reported.
+    train_tokens: int = 0
+    next_train_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

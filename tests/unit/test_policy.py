@@ -83,6 +83,102 @@ def test_online_model_recovers_a_synthetic_cluster():
     assert m2.rollout_s(2) == pytest.approx(60 + 800 / 2 ** 0.5)
 
 
+def test_online_model_predicts_the_next_steps_training_from_its_known_tokens():
+    """Device-seconds per token are learned from the trained batches; the next step's demand is
+    that rate x the tokens of the batch it trains, with no training noise in its step time."""
+    m = OnlineStageModel(window=4)
+    rng = np.random.default_rng(0)
+    for s in range(4):
+        tokens = int(rng.integers(50_000, 150_000))  # D = 0.01 s per token: noisy from step to step
+        rep = replace(world(8, 8, step=s, d=0.01 * tokens), train_tokens=tokens, next_train_tokens=0)
+        m.update(rep)
+    assert m.next_train_d() is None and m.step_curve_next([4, 8], 16) is None  # next batch unknown
+    assert m.train_s_next(8) == pytest.approx(m.train_s(8))
+    m.update(replace(world(8, 8, step=4, d=1000.0), train_tokens=100_000, next_train_tokens=300_000))
+    assert m.next_train_d() == pytest.approx(3000.0)
+    assert m.train_s_next(10) == pytest.approx(1 + 3000 / 10)
+    assert m.train_s(10) < 1 + 1500 / 10  # the window mean knows nothing of the big batch
+    # the next step's curve: rollout from the window, training exact
+    curve = m.step_curve_next([2, 12], 16)
+    assert curve[1] == pytest.approx(max(m.rollout_s(12), 1 + 3000 / 4) + 1.0, rel=1e-3)
+
+
+def test_hysteresis_uses_the_known_demand_of_the_next_step():
+    """One-step-off with a one-step horizon: the window says the split is balanced, but the next
+    batch is known to be three times as large, so hysteresis moves devices to training; without
+    the tokens it keeps the split."""
+    cfg = replace(PolicyConfig(), name="hysteresis", enter_band=0.05, exit_band=0.02, dwell_steps=1,
+                  cooldown_steps=0, horizon_steps=1, profile_steps=3, move_cost_prior_s=0.0)
+    best = min(range(1, 16), key=lambda x: max(60 + 800 / x, 1 + 1200 / (16 - x)))
+
+    def run(next_factor):
+        hys = make_policy(cfg, B, num_steps=100)
+        out = []
+        for s in range(6):
+            rep = replace(world(best, 16 - best, step=s), train_tokens=100_000,
+                          next_train_tokens=int(100_000 * (next_factor if s == 5 else 1)))
+            out.append(hys.decide(rep))
+        return out
+
+    assert all(isinstance(d, Keep) for d in run(1.0))
+    last = run(3.0)
+    assert all(isinstance(d, Keep) for d in last[:5])
+    assert isinstance(last[5], Move) and last[5].target_rollout(best) < best
+
+
+def test_hysteresis_last_step_saving_uses_the_last_batchs_known_demand():
+    """The last step trains a batch already rolled out: a nearly empty one saves nothing on more
+    trainers, so the last-step move is not made; a normal one makes it."""
+    cfg = replace(PolicyConfig(), name="hysteresis", enter_band=0.05, exit_band=0.02, move_cost_prior_s=10.0)
+    best = min(range(1, 16), key=lambda x: max(60 + 800 / x, 1 + 1200 / (16 - x)))
+    K = 30
+
+    def last_decision(next_tokens):
+        hys = make_policy(cfg, B, num_steps=K)
+        d = None
+        for s in range(K - 1):
+            rep = replace(world(best, 16 - best, step=s), train_tokens=100_000,
+                          next_train_tokens=next_tokens if s == K - 2 else 100_000)
+            d = hys.decide(rep)
+        return d
+
+    assert isinstance(last_decision(100_000), Move)
+    assert isinstance(last_decision(10), Keep)
+
+
+def test_gain_samples_are_the_gain_once_per_report():
+    """Consistent reports give the model's own gain every time; reports that disagree spread."""
+    m = OnlineStageModel(window=5)
+    for s in range(5):
+        m.update(world(10, 6, step=s, floor=200.0))
+    g = m.gain_samples(10, 11, 16)
+    assert g.shape == (5,)
+    assert np.allclose(g, m.step_s(10, 16) - m.step_s(11, 16))
+    m2 = OnlineStageModel(window=5)
+    for s in range(5):
+        m2.update(world(10, 6, step=s, floor=200.0, k=(200.0, 1400.0)[s % 2]))
+    g2 = m2.gain_samples(10, 11, 16)
+    assert g2.max() > 0 > g2.min()
+
+
+def test_hysteresis_takes_a_gain_between_the_bands_only_when_the_reports_agree():
+    """One-step-off: a 2.6% gain (between exit 2% and enter 5%) that every report predicts arms
+    and moves; the same mean gain from reports that disagree is not significant; a gain below the
+    exit band never arms."""
+    cfg = replace(PolicyConfig(), name="hysteresis", enter_band=0.05, exit_band=0.02)
+    hys = make_policy(cfg, B, num_steps=100)
+    r, moves = _run_world(hys, 10, 12, floor=200.0)
+    assert moves and moves[0][1] == 11 and 0.02 < 280 / (200 + 800 / 11) - 1 < 0.05
+    assert hys._significant(10, 11, 16, 0.0)
+    noisy = make_policy(cfg, B, num_steps=100)
+    for s in range(12):
+        noisy.decide(world(10, 6, step=s, floor=200.0, k=(200.0, 1400.0)[s % 2]))
+    assert noisy.model.gain_samples(10, 11, 16, 10.0).mean() > 0
+    assert not noisy._significant(10, 11, 16, 10.0)
+    _, moves = _run_world(make_policy(replace(cfg, exit_band=0.03), B, num_steps=100), 10, 12, floor=200.0)
+    assert moves == []
+
+
 def test_expected_max_is_clark():
     assert expected_max(3.0, 1.0, 0.0) == 3.0
     rng = np.random.default_rng(0)

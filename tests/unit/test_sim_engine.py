@@ -161,3 +161,26 @@ def test_simulation_is_deterministic():
         return run_policy(sc, st, pol, b, start_rollout=6, reversal_window=20).summary()
 
     assert once() == once()
+
+
+def test_reports_carry_the_trained_and_the_next_batchs_tokens(setup):
+    """One-step-off: step k trains batch k and rolls out batch k+1, which step k+1 trains; the
+    report of step k carries both batches' sequence tokens (0 for the next after the last)."""
+    sc, stages, bounds, _ = setup
+    seen = []
+
+    class Spy(Planned):
+        def decide(self, report):
+            seen.append((report.step, report.train_tokens, report.next_train_tokens))
+            return super().decide(report)
+
+    run_policy(sc, stages, Spy("spy", [8] * K), bounds, start_rollout=8, reversal_window=20)
+
+    def tokens(b):
+        batch = stages.batch(b)
+        return int(batch.response_tokens.sum() + batch.prompt_tokens.sum())
+
+    assert [s for s, _, _ in seen] == list(range(K - 1))  # the last step's report is not decided on
+    for k, t, nxt in seen:
+        assert t == tokens(k) and nxt == tokens(k + 1)
+    assert tokens(1) != tokens(2)

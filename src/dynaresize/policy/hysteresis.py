@@ -6,13 +6,20 @@ to mid-horizon)? Among splits within `NEAR_BEST` of the best it takes the one cl
 current split (no move for a noise-level difference). Then:
 
 - arm when the relative predicted gain is >= `enter_band`; stay armed while it is >= `exit_band`
-  and points the same way; disarm otherwise (the band is the hysteresis);
+  and points the same way; disarm otherwise (the band is the hysteresis). One-step-off, a gain
+  between the two bands also arms when the window's reports agree on it: predicted once from
+  each report's own parameters, its mean is more than `GAIN_T` standard errors above 0 (a
+  small but persistent gain is worth taking when a move costs ~1 s against ~100 s steps);
 - fire when armed for `dwell_steps` consecutive reports, no move was made in the last
   `cooldown_steps` reports, and the gain summed over the horizon (or the steps left, if fewer)
   exceeds `cost_margin` x the predicted cost of the move (doubled when the move reverses the
   previous one: it undoes a paid move);
 - the move cost is the measured critical time of this run's resizes (`resize_critical_s` of the
   report after a move), an exponentially weighted mean; before the first move a pessimistic prior.
+
+In the one-step-off pipeline the next step trains the batch just rolled out: its training
+demand is known (`StepReport.next_train_tokens`), so the next step's share of the summed gain,
+and the last step's saving, are predicted from it rather than from the window mean.
 
 Because the model knows the rollout floor (the longest response alone), it does not send
 devices to a tail-bound rollout stage: the predicted gain of such a move is about zero.
@@ -31,6 +38,8 @@ from dynaresize.policy.model import OnlineStageModel, StreamStageModel
 from dynaresize.types import Bounds, Decision, Keep, StepReport, move_to
 
 NEAR_BEST = 0.005  # splits predicted within 0.5% of the best count as equally good
+GAIN_T = 2.0  # one-step-off: a gain in [exit_band, enter_band) arms when > this many standard errors
+MIN_GAIN_SAMPLES = 3  # ... estimated from at least this many reports
 COST_EWMA = 0.5
 
 
@@ -96,13 +105,21 @@ class Hysteresis:
         splits = self._splits()
         preds = self.model.step_curve(splits, n_dev, ahead)
         current = self.model.step_s(r, n_dev, ahead)
+        nxt = None if self.stream else self.model.step_curve_next(np.append(splits, r), n_dev)
+        if nxt is not None:
+            # one-step-off: the next step trains a batch already rolled out, so its step time is
+            # predicted from its known demand; the other horizon - 1 steps from the window
+            preds = (nxt[:-1] + (horizon - 1) * preds) / horizon
+            current = (float(nxt[-1]) + (horizon - 1) * current) / horizon
         near = np.flatnonzero(preds <= preds.min() * (1 + NEAR_BEST))
         j = int(near[np.argmin(np.abs(splits[near] - r))])  # the nearest of the near-best splits
         target = int(splits[j])
         gain = current - float(preds[j])
         rel = gain / current if current > 0 else 0.0
         direction = (target > r) - (target < r)
-        count = self.persist.update(direction, rel >= cfg.enter_band, rel >= cfg.exit_band)
+        arm = rel >= cfg.enter_band or (not self.stream and rel >= cfg.exit_band
+                                         and self._significant(r, target, n_dev, ahead))
+        count = self.persist.update(direction, arm, rel >= cfg.exit_band)
         self.last_prediction = {"current_s": current, "target_s": float(preds[j]), "target": target, "gain": rel}
         if learning:  # one-step-off: the reports while profiling count toward the dwell; no move before profile_steps
             return Keep(reason=f"learning {self.model.num_reports}/{cfg.profile_steps}")
@@ -122,6 +139,14 @@ class Hysteresis:
         self._last_move = (report.step, direction)
         return move_to(r, target, reason=f"predicted {rel:.1%} faster at {target} ({current:.1f}s -> {preds[j]:.1f}s)")
 
+    def _significant(self, r: int, target: int, n_dev: int, ahead: float) -> bool:
+        """One-step-off: is the predicted gain of `target` over `r` more than GAIN_T standard errors
+        above 0, the gain predicted once from each report of the window (`gain_samples`)?"""
+        g = self.model.gain_samples(r, target, n_dev, ahead)
+        if g.size < MIN_GAIN_SAMPLES:
+            return False
+        return float(g.mean()) > GAIN_T * float(g.std(ddof=1)) / np.sqrt(g.size)
+
     def _last_step(self, report: StepReport) -> Decision:
         """Before the run's last step, which only trains (one-step-off: no batch is left to roll
         out): the step is fastest with the fewest rollout devices. Move there when the predicted
@@ -131,7 +156,7 @@ class Hysteresis:
         target = int(self._splits()[0])
         if target >= r:
             return Keep(reason="last step: rollout pool already minimal")
-        gain = self.model.train_s(n_dev - r) - self.model.train_s(n_dev - target)
+        gain = self.model.train_s_next(n_dev - r) - self.model.train_s_next(n_dev - target)
         if self._last_move is not None and self._last_move[1] > 0 \
                 and report.step - self._last_move[0] < self.reversal_window_steps:
             return Keep(reason="last step: would reverse within the window")

@@ -15,6 +15,12 @@ rides the drift); beta starts at 1 and is refitted from the rollout time observe
 of every move (least squares on log scale, clipped to [0.3, 1.5]). The model only extrapolates
 to other device counts; everything it knows comes from the reports.
 
+The next step's training is known better than the window mean: in the one-step-off pipeline
+the next step trains the batch this step rolled out, whose sequence tokens the report carries
+(`StepReport.next_train_tokens`). The model learns the device-seconds per token, rho, as a window
+mean of D / `train_tokens`, and predicts the next step with D_next = rho x next_train_tokens and
+no training noise (`step_curve_next`): only the rollout of the batch after it is still unknown.
+
 Pure: no I/O, no clock.
 """
 
@@ -43,6 +49,8 @@ class OnlineStageModel:
         self.roll_obs = RollingWindow(trend_window)  # observed stage times, for their noise
         self.train_obs = RollingWindow(trend_window)
         self._train_obs_n = 1
+        self.train_rho = RollingWindow(window)  # training device-seconds per sequence token
+        self.next_tokens = 0  # sequence tokens of the batch the next step trains (0: unknown)
         self.beta = 1.0
         self._beta_obs: list[float] = []
         self._last: StepReport | None = None
@@ -80,6 +88,9 @@ class OnlineStageModel:
         self.train_c.push(c)
         self.train_d.push(d)
         self.train_d_trend.push(d)
+        if report.train_tokens > 0:
+            self.train_rho.push(d / report.train_tokens)
+        self.next_tokens = max(int(report.next_train_tokens), 0)
         self.sync.push(max(report.sync_s, 0.0))
         if prev is not None and prev.num_rollout != report.num_rollout:
             self.roll_obs.clear()  # noise is measured at one split
@@ -110,6 +121,13 @@ class OnlineStageModel:
         d = max(self.train_d.mean() + self.train_d_trend.slope() * ahead, 0.0)
         return self.floor.mean(), k, self.train_c.mean(), d, self.sync.mean()
 
+    def next_train_d(self) -> float | None:
+        """Training device-seconds of the batch the next step trains: its known sequence tokens x
+        the measured device-seconds per token. None when either is unknown."""
+        if self.next_tokens <= 0 or len(self.train_rho) == 0:
+            return None
+        return self.train_rho.mean() * self.next_tokens
+
     def rollout_s(self, num_rollout: int, ahead: float = 0.0) -> float:
         f, k, _, _, _ = self._params(ahead)
         return f + k / max(num_rollout, 1) ** self.beta
@@ -132,6 +150,51 @@ class OnlineStageModel:
 
     def step_s(self, num_rollout: int, num_devices: int, ahead: float = 0.0) -> float:
         return float(self.step_curve([num_rollout], num_devices, ahead)[0])
+
+    def gain_samples(self, num_rollout: int, target: int, num_devices: int, ahead: float = 0.0) -> np.ndarray:
+        """Predicted step-time gain of `target` over `num_rollout`, once per report of the window:
+        each from that report's own F, K, c and D (the trend, beta and noise shared). Their
+        spread says how far the reports agree on the gain (sync cancels in a gain)."""
+        _, k, _, d, _ = self._params(ahead)
+        n = min(self.window, len(self.train_d))
+        if n == 0:
+            return np.zeros(0)
+        ks = list(self._k_values().values)[-n:]
+        fs = list(self.floor.values)[-n:]
+        cs = list(self.train_c.values)[-n:]
+        ds = list(self.train_d.values)[-n:]
+        k_off = k - sum(ks) / len(ks)
+        d_off = d - self.train_d.mean()
+        r = np.array([max(num_rollout, 1), max(target, 1)], dtype=np.float64)
+        nt = np.maximum(num_devices - r, 1.0)
+        sd = np.hypot(self.roll_obs.noise_sd(), self.train_obs.noise_sd() * self._train_obs_n / nt)
+        out = []
+        for fi, ki, ci, di in zip(fs, ks, cs, ds):
+            a = fi + max(ki + k_off, 0.0) / r ** self.beta
+            b = ci + max(di + d_off, 0.0) / nt
+            e = expected_max(a, b, sd)
+            out.append(float(e[0] - e[1]))
+        return np.asarray(out)
+
+    def step_curve_next(self, splits, num_devices: int) -> np.ndarray | None:
+        """Expected time of the next step at each split when its training demand is known
+        (`next_train_d`): training is then exact (no noise term), the rollout is the window's.
+        None when the demand is unknown."""
+        d = self.next_train_d()
+        if d is None:
+            return None
+        f, k, c, _, sync = self._params(0.0)
+        r = np.maximum(np.asarray(splits, dtype=np.float64), 1.0)
+        n = np.maximum(num_devices - r, 1.0)
+        return expected_max(f + k / r ** self.beta, c + d / n, self.roll_obs.noise_sd()) + sync
+
+    def train_s_next(self, num_train: int) -> float:
+        """Training time of the next step on `num_train` devices: its known demand when there is
+        one (`next_train_d`), else the model's."""
+        d = self.next_train_d()
+        if d is None:
+            return self.train_s(num_train)
+        return self.train_c.mean() + d / max(num_train, 1)
 
     def balanced_split(self, splits: tuple[int, ...], num_devices: int) -> int:
         """The legal split where the two stages take the most nearly equal time."""
