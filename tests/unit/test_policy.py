@@ -365,3 +365,27 @@ def test_hysteresis_under_streaming_moves_toward_the_throughput_balance_and_stay
     assert abs(r - best) <= 1 and period(r) <= 1.05 * period(best)
     directions = [np.sign(b - a) for (_, a), (_, b) in zip([(0, 3)] + moves, moves)]
     assert all(x == directions[0] for x in directions)  # never back
+
+
+def test_stream_model_gain_samples_warm_up_and_training_tail():
+    """Steps 0..eta (released together at the start) feed the fit but do not count as learned;
+    consistent reports give the level's gain every time, disagreeing ones spread; a short
+    training tail (trainers accumulating as groups arrive) lowers the window term."""
+    lengths = np.random.default_rng(5).permutation(np.arange(1, 513, dtype=np.int64) * 10)
+    splits = np.arange(1, 16)
+    m = StreamStageModel(staleness=2)
+    for s in range(8):
+        m.update(stream_report(8, 8, step=s, lengths=lengths), splits)
+    assert m.num_reports == 5  # steps 3..7
+    g = m.gain_samples(8, 9, 16)
+    assert g.shape == (5,) and np.allclose(g, m.step_s(8, 16) - m.step_s(9, 16))
+    m2 = StreamStageModel(staleness=2)
+    for s in range(8):
+        m2.update(stream_report(8, 8, step=s, lengths=lengths, d=(300.0, 3000.0)[s % 2]), splits)
+    g2 = m2.gain_samples(8, 9, 16)
+    assert g2.max() > 0 > g2.min()
+    short = StreamStageModel(staleness=2)
+    for s in range(8):
+        rep = stream_report(8, 8, step=s, lengths=lengths)
+        short.update(replace(rep, train_tail_s=rep.train_fixed_s + 5.0), splits)
+    assert np.all(short.parts(splits, 16)["window"] < m.parts(splits, 16)["window"])

@@ -6,7 +6,7 @@ to mid-horizon)? Among splits within `NEAR_BEST` of the best it takes the one cl
 current split (no move for a noise-level difference). Then:
 
 - arm when the relative predicted gain is >= `enter_band`; stay armed while it is >= `exit_band`
-  and points the same way; disarm otherwise (the band is the hysteresis). One-step-off, a gain
+  and points the same way; disarm otherwise (the band is the hysteresis). A gain
   between the two bands also arms when the window's reports agree on it: predicted once from
   each report's own parameters, its mean is more than `GAIN_T` standard errors above 0 (a
   small but persistent gain is worth taking when a move costs ~1 s against ~100 s steps);
@@ -38,7 +38,7 @@ from dynaresize.policy.model import OnlineStageModel, StreamStageModel
 from dynaresize.types import Bounds, Decision, Keep, StepReport, move_to
 
 NEAR_BEST = 0.005  # splits predicted within 0.5% of the best count as equally good
-GAIN_T = 2.0  # one-step-off: a gain in [exit_band, enter_band) arms when > this many standard errors
+GAIN_T = 2.0  # a gain in [exit_band, enter_band) arms when > this many standard errors
 MIN_GAIN_SAMPLES = 3  # ... estimated from at least this many reports
 COST_EWMA = 0.5
 
@@ -117,8 +117,7 @@ class Hysteresis:
         gain = current - float(preds[j])
         rel = gain / current if current > 0 else 0.0
         direction = (target > r) - (target < r)
-        arm = rel >= cfg.enter_band or (not self.stream and rel >= cfg.exit_band
-                                         and self._significant(r, target, n_dev, ahead))
+        arm = rel >= cfg.enter_band or (rel >= cfg.exit_band and self._significant(r, target, n_dev, ahead))
         count = self.persist.update(direction, arm, rel >= cfg.exit_band)
         self.last_prediction = {"current_s": current, "target_s": float(preds[j]), "target": target, "gain": rel}
         if learning:  # one-step-off: the reports while profiling count toward the dwell; no move before profile_steps
@@ -140,7 +139,7 @@ class Hysteresis:
         return move_to(r, target, reason=f"predicted {rel:.1%} faster at {target} ({current:.1f}s -> {preds[j]:.1f}s)")
 
     def _significant(self, r: int, target: int, n_dev: int, ahead: float) -> bool:
-        """One-step-off: is the predicted gain of `target` over `r` more than GAIN_T standard errors
+        """Is the predicted gain of `target` over `r` more than GAIN_T standard errors
         above 0, the gain predicted once from each report of the window (`gain_samples`)?"""
         g = self.model.gain_samples(r, target, n_dev, ahead)
         if g.size < MIN_GAIN_SAMPLES:

@@ -431,26 +431,55 @@ class StreamStageModel:
         lag = (min(self.window, k) - 1) / 2.0  # the recent mean sits this many steps back
         return np.maximum(recent + slope * min(ahead + lag, k / 2.0), 0.0)  # no farther than half the data
 
+    def _d_train(self, ahead: float) -> float:
+        """Training device-seconds per step: the window's level, plus its significant trend."""
+        lag = (min(self.window, len(self.train_d)) - 1) / 2.0
+        slope = significant_slope(list(self.train_d_trend.values))
+        return max(self.train_d.mean() + slope * min(ahead + lag, len(self.train_d_trend) / 2.0), 0.0)
+
+    def _parts(self, splits: np.ndarray, num_devices: int, d_roll: np.ndarray, c: float, d_train: float,
+               publish: float, tail_d: float) -> dict[str, np.ndarray]:
+        r = np.maximum(splits.astype(np.float64), 1.0)
+        n = np.maximum(num_devices - r, 1.0)
+        t_roll = d_roll / r
+        t_train = c + d_train / n + publish
+        share = np.minimum(self._slots, -(-self._batch // np.maximum(splits // self.unit, 1)))
+        latency = t_roll + self.excess.mean() + share * self.share_work.mean()
+        # What the window must hold after the step's last sample: all of training where a step
+        # trains once its samples are in, only its last groups and the optimizer step where the
+        # trainers accumulate as groups arrive (both measured: `train_tail_s`).
+        tail = c + tail_d / n + publish
+        return {"rollout": t_roll, "train": t_train, "window": (latency + tail) / (self.eta + 1)}
+
     def parts(self, splits, num_devices: int, ahead: float = 0.0) -> dict[str, np.ndarray]:
         """Rollout, training and window seconds per step at each split."""
         splits = np.asarray(splits, dtype=np.int64)
         if self._splits is None or not self._curves or splits.shape != self._splits.shape:
             raise ValueError("no reports for these splits yet")
-        r = np.maximum(splits.astype(np.float64), 1.0)
-        n = np.maximum(num_devices - r, 1.0)
-        lag = (min(self.window, len(self.train_d)) - 1) / 2.0
-        slope = significant_slope(list(self.train_d_trend.values))
-        d_train = max(self.train_d.mean() + slope * min(ahead + lag, len(self.train_d_trend) / 2.0), 0.0)
-        t_roll = self._level_trend(ahead) / r
-        t_train = self.train_c.mean() + d_train / n + self.publish.mean()
-        B = self._batch
-        share = np.minimum(self._slots, -(-B // np.maximum(splits // self.unit, 1)))
-        latency = t_roll + self.excess.mean() + share * self.share_work.mean()
-        # What the window must hold after the step's last sample: all of training where a step
-        # trains once its samples are in, only its last groups and the optimizer step where the
-        # trainers accumulate as groups arrive (both measured: `train_tail_s`).
-        tail = self.train_c.mean() + self.train_tail_d.mean() / n + self.publish.mean()
-        return {"rollout": t_roll, "train": t_train, "window": (latency + tail) / (self.eta + 1)}
+        return self._parts(splits, num_devices, self._level_trend(ahead), self.train_c.mean(), self._d_train(ahead),
+                           self.publish.mean(), self.train_tail_d.mean())
+
+    def gain_samples(self, num_rollout: int, target: int, num_devices: int, ahead: float = 0.0) -> np.ndarray:
+        """Predicted period gain of `target` over `num_rollout`, once per report of the window:
+        each from that report's own rollout curve, training, publish and training tail, shifted
+        by the trend as the level is. Their spread says how far the reports agree on the gain."""
+        n = min(self.window, len(self._curves), len(self.train_d))
+        if self._splits is None or n == 0:
+            return np.zeros(0)
+        pick = np.array([int(np.argmin(np.abs(self._splits - x))) for x in (num_rollout, target)])
+        splits = self._splits[pick]
+        curves = np.array(self._curves[-n:])[:, pick]
+        curves = curves + (self._level_trend(ahead)[pick] - curves.mean(axis=0))
+        ds = np.array(list(self.train_d.values)[-n:])
+        ds = ds + (self._d_train(ahead) - ds.mean())
+        rows = zip(curves, list(self.train_c.values)[-n:], ds, list(self.publish.values)[-n:],
+                   list(self.train_tail_d.values)[-n:])
+        out = []
+        for curve, c, d, pub, tail in rows:
+            p = self._parts(splits, num_devices, np.maximum(curve, 0.0), c, max(d, 0.0), pub, tail)
+            period = np.maximum(np.maximum(p["rollout"], p["train"]), p["window"])
+            out.append(float(period[0] - period[1]))
+        return np.asarray(out)
 
     def step_curve(self, splits, num_devices: int, ahead: float = 0.0) -> np.ndarray:
         """Predicted seconds per step (the period) at each split."""
