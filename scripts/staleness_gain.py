@@ -1,6 +1,6 @@
 """Emulated gain of streaming (train.staleness = ETA) over one-step-off on the real runtime, and
-the simulator's prediction for the same job (emulate.Emulator.scenario; sim.engine for ETA = 1,
-sim.stream for ETA >= 2), both on a fixed split (policy static). docs/pipeline.md, "On the real
+the simulator's prediction for the same job (emulate.predict: sim.engine for ETA = 1, sim.stream
+as the runtime runs it for ETA >= 2), both on a fixed split (policy static). docs/pipeline.md, "On the real
 runtime", has the numbers. Usage (RUN_DIR prefix /tmp/stale-w/emu-etaN):
 
     DEV=8 EXTRA='{"cluster":{"emulate":"h100:7b","time_scale":20},"rollout":{"length_workload":"longtail-drift"}}' \
@@ -10,9 +10,7 @@ import json, sys, time, ray
 from dynaresize.config import build_config, merge
 from dynaresize.presets import preset
 from dynaresize.runtime import run_job
-from dynaresize.emulate import Emulator, run_bounds, predict, start_split
-from dynaresize.policy.base import make_policy
-from dynaresize.sim.stream import run_stream
+from dynaresize.emulate import predict
 
 import os
 os.makedirs("/tmp/stale-w", exist_ok=True)
@@ -31,14 +29,7 @@ def cfg_of(eta):
 out = {}
 for eta in etas:
     cfg = cfg_of(eta)
-    emu = Emulator.from_config(cfg)
-    sc = emu.scenario(cfg.cluster.devices)
-    bounds = run_bounds(cfg)
-    if eta == 1:
-        pred = predict(cfg)
-    else:
-        pol = make_policy(cfg.policy, bounds, num_steps=cfg.steps, staleness=eta)
-        pred = run_stream(sc, sc.stages(), pol, bounds, start_rollout=start_split(cfg), staleness=eta)
+    pred = predict(cfg)  # eta >= 2: the streaming engine as the runtime runs it (emulate.predict)
     p_sps = pred.num_samples / pred.total_time_s
     out[eta] = {"pred_samples_per_s": p_sps, "pred_total_s": pred.total_time_s, "pred_idle": pred.idle_device_s / (pred.total_time_s * pred.num_devices)}
     print("eta", eta, "prediction", out[eta], flush=True)

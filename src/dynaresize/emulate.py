@@ -191,6 +191,20 @@ class Emulator:
             plan.append((tuple(mine[part::tp]), float(times[j])))
         return plan
 
+    def stream_shares(self, step: int, num_rollout: int) -> list[tuple[int, int]]:
+        """The streaming pipeline's shares of step `step` as `sim.stream` cuts them: ceil(B /
+        replicas) consecutive batch positions [lo, hi) each, at most what a replica admits."""
+        n = self.batch(step).num_samples
+        share = max(1, min(self.stages.slots(step), -(-n // max(1, num_rollout // self.model.rollout_tp))))
+        return [(lo, min(lo + share, n)) for lo in range(0, n, share)]
+
+    def stream_plan(self, step: int, num_rollout: int) -> list[tuple[tuple[int, ...], float]]:
+        """`stream_shares` as dispatch items: each paced to its time on one replica
+        (`StageModel.chunk`); a replica's tp devices split its share."""
+        tp = self.model.rollout_tp
+        return [(tuple(range(lo, hi))[part::tp], self.stages.chunk(step, lo, hi).time_s)
+                for lo, hi in self.stream_shares(step, num_rollout) for part in range(tp)]
+
     def rollout_s(self, step: int, num_rollout: int) -> float:
         return self.stages.rollout(step, num_rollout).time_s
 
@@ -200,6 +214,13 @@ class Emulator:
 
     def train_s(self, step: int, num_train: int) -> float:
         return self.stages.train(step, num_train).time_s
+
+    def train_part_s(self, step: int, positions: list[int], num_train: int, *, last: bool) -> float:
+        """Training of the samples at `positions` of step `step`'s batch (their compute over
+        `num_train` devices), plus the fixed exposed time when `last`: a step's parts add up to
+        `train_s` (the compute is a sum over sequences, `StageModel.train_chunk_device_s`)."""
+        dev_s = sum(self.stages.train_chunk_device_s(step, i, i + 1) for i in positions)
+        return dev_s / max(num_train, 1) + (self.train_fixed_s if last else 0.0)
 
     @property
     def train_fixed_s(self) -> float:
@@ -225,8 +246,9 @@ class Emulator:
         floor = self.rollout_floor_s(rollout_step) if rollout_step is not None else 0.0
         extra = {}
         if report.rollout_chunks > 0 and rollout_step is not None:  # streaming: the shares' serial part
-            _, serial, _ = self.stages.replica_detail(rollout_step, report.num_rollout)
-            extra = {"rollout_serial_s": float(serial.sum()) * self.model.rollout_tp,
+            serial = sum(self.stages.chunk(rollout_step, lo, hi).serial_s
+                         for lo, hi in self.stream_shares(rollout_step, report.num_rollout))
+            extra = {"rollout_serial_s": float(serial) * self.model.rollout_tp,
                      "rollout_slots": self.stages.slots(rollout_step),
                      "response_lengths": tuple(int(x) for x in self.batch(rollout_step).response_tokens)}
         return replace(report, rollout_floor_s=min(floor, report.rollout_s) if report.rollout_s > 0 else 0.0,
@@ -260,9 +282,9 @@ def predict(cfg: Any, policy_name: str | None = None, recorder: Any = None):
     started as the runtime starts it: at `cluster.rollout_devices` unless the policy names its
     split, with the same bounds and no pilot. Returns a `sim.engine.PolicyResult`.
 
-    With `train.staleness` >= 2 it is the streaming engine as the runtime runs it: each step
-    trains once all its samples are in and an engine runs one share at a time (the simulator's
-    `accumulate` and `admit` overlaps off)."""
+    With `train.staleness` >= 2 it is the streaming engine as the runtime runs it: the trainers
+    accumulate a step's gradients as its samples arrive, and an engine runs one share at a time
+    (the simulator's `admit` off)."""
     from dynaresize.policy.base import make_policy
     from dynaresize.sim.engine import run_policy
     from dynaresize.sim.stream import run_stream
@@ -278,7 +300,7 @@ def predict(cfg: Any, policy_name: str | None = None, recorder: Any = None):
     scenario = emu.scenario(cfg.cluster.devices)
     if eta >= 2:
         return run_stream(scenario, scenario.stages(), policy, bounds, start_rollout=start, staleness=eta,
-                          accumulate=False, admit=False, reversal_window=pcfg.horizon_steps, recorder=recorder)
+                          admit=False, reversal_window=pcfg.horizon_steps, recorder=recorder)
     return run_policy(scenario, scenario.stages(), policy, bounds, start_rollout=start,
                       reversal_window=pcfg.horizon_steps, recorder=recorder)
 
@@ -297,7 +319,7 @@ def best_static(cfg: Any) -> tuple[int, float]:
     bounds, eta = run_bounds(cfg), int(cfg.train.staleness)
     if eta >= 2:
         split, total, _, _ = stream_best_static(scenario, scenario.stages(), bounds, grid(bounds), eta, False,
-                                                accumulate=False, admit=False)
+                                                admit=False)
     else:
         split, total = sweep(build_table(scenario.stages(), grid(bounds), cfg.cluster.devices, cfg.steps))
     return split, scenario.total_samples() / total

@@ -259,7 +259,10 @@ class Run:
     def _train(self, step: int, scored: ScoredStep) -> list[dict]:
         mbs = grpo.micro_batches(scored.samples, self.cfg.train.micro_batch_size)
         total = grpo.total_response_tokens(scored.samples)
-        stats = self.cluster.train(step, mbs, total)
+        return self._trained(step, scored, self.cluster.train(step, mbs, total))
+
+    def _trained(self, step: int, scored: ScoredStep, stats: list[dict]) -> list[dict]:
+        """After step `step`'s optimizer step: snapshot version step+1, ledger, spans."""
         # Consumed only once the new state is safe: a step redone after a loss counts once.
         self.snapshots[step + 1] = snapshot.take(self.cluster, step + 1, self.assignment.devices(TRAIN))
         for s in scored.samples:
@@ -287,6 +290,9 @@ class Run:
         c = self.timing.clock  # wall -> the run's seconds (emulated ones with cluster.emulate: steptiming.py)
         train_t0 = min(s["t0"] for s in train_stats)
         train_s = c.span(train_t0, max(s["t1"] for s in train_stats))
+        train_busy = sum(c.span(s["t0"], s["t1"]) for s in train_stats)
+        if self.stream:  # trained in parts as the step's samples arrived (accumulate.py)
+            train_s, train_busy, train_tail = self.stream.train_times(step, a.num_train)
         sync_s = c.span(min(s["t0"] for s in sync), max(s["t1"] for s in sync)) if sync else 0.0
         for s in sync:
             self.rec.emit("span", device=s["device"], name="weight_sync", start_s=self.rel(s["t0"]),
@@ -294,7 +300,7 @@ class Run:
         rollout_s = c.span(rolled.t0, rolled.t1) if rolled else 0.0
         calls = rolled.calls if rolled else []
         rollout_work = sum(c.span(t0, t1) for _, t0, t1 in calls)
-        busy = sum(c.span(s["t0"], s["t1"]) for s in train_stats) + rollout_work
+        busy = train_busy + rollout_work
         window = c.span(w.t0, t_end)
         tail_idle = sum(c.span(rolled.last_end[d], rolled.t1) for d in rolled.busy_s) if rolled else 0.0
         longest = max((c.span(t0, t1) for _, t0, t1 in calls), default=0.0)
@@ -308,7 +314,7 @@ class Run:
             rollout_floor_s=longest, num_samples=len(scored.samples), response_tokens=scored.num_tokens,
             idle_device_s=max(0.0, a.num_devices * window - busy), tail_idle_device_s=tail_idle,
             resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens,
-            **(self._stream_fields(step, scored, sync) if self.stream else {}))
+            **(self._stream_fields(step, scored, sync, train_tail) if self.stream else {}))
         report = self.timing.report(report, rolled_step)
         self.last_critical_s = None
         self.stats["idle_device_s"] += report.idle_device_s
@@ -325,12 +331,12 @@ class Run:
                       recoveries=w.recoveries, **train_fields(train_stats), **timing)
         return report
 
-    def _stream_fields(self, step: int, scored: ScoredStep, pulls: list[dict]) -> dict:
+    def _stream_fields(self, step: int, scored: ScoredStep, pulls: list[dict], train_tail: float) -> dict:
         """What the streaming throughput model reads (`policy.model.StreamStageModel`): the
-        step's response lengths, how many engine calls it was cut into, and the device-seconds
-        engines spent pulling weights in the window."""
+        step's response lengths, how many engine calls it was cut into, the device-seconds
+        engines spent pulling weights in the window, and the training after its last sample."""
         c = self.timing.clock
-        return {"response_lengths": tuple(len(s.response_ids) for s in scored.samples),
+        return {"response_lengths": tuple(len(s.response_ids) for s in scored.samples), "train_tail_s": train_tail,
                 "rollout_chunks": self.stream.router.items_per_step.pop(step, 0),
                 "rollout_sync_s": sum(c.span(p["t0"], p["t1"]) for p in pulls)}
 

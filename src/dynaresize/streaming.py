@@ -3,8 +3,10 @@
 Window k of `Run.run` under streaming (the one-step-off window is `Run._window`):
 
     release the steps whose weights exist (s <= k + eta, streamplan.released_through)
-    -> pump the router until step k's samples are all in; score step k
-    -> train step k  ||  the router keeps generating steps k+1 .. k+eta     (overlapped)
+    -> the router generates steps k .. k+eta (a driver thread)  ||  the trainers train step k
+       as its samples arrive: each prompt group scored once complete, each micro-batch trained
+       once its groups are (forward/backward, gradient accumulated), the optimizer step after
+       the last one (accumulate.py: the update equals training the whole step at once)
     -> version k+1 exists (snapshot, and its digest in deterministic mode)
     -> StepReport -> Controller.on_report -> resize plan
 
@@ -29,9 +31,11 @@ device lost anyway stops the run cleanly (recovery.stop_run).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
-from dynaresize.cluster.router import StreamRouter
+from dynaresize.accumulate import StepAccumulator
+from dynaresize.cluster.router import WAKE_S, StreamRouter
 from dynaresize.stepstate import StepRollout, Window
 from dynaresize.streamplan import released_through
 from dynaresize.types import ROLLOUT, ResizePlan
@@ -47,6 +51,8 @@ class Streaming:
         self.router = StreamRouter(run.cluster, self.eta, run.rollouts, weights=lambda v: run.snapshots[v],
                                    digests=self.digests)
         self.window_calls: list[tuple[int, float, float]] = []
+        self.expected: dict[int, list] = {}  # released step -> its sample ids
+        self.train_parts: dict[int, list[tuple[float, float]]] = {}  # step -> (t0, t1) of each training call
 
     def start(self) -> None:
         """Engines hold version 0 (`Cluster.start`); its digest for the pull checks."""
@@ -67,26 +73,23 @@ class Streaming:
         for s in range(step, last + 1):
             if not router.queue.released(s):
                 run._expect(s)
-                router.release(s, run.job.requests(s))
+                groups = run.job.requests(s)
+                self.expected[s] = [r.sample_id for g in groups for r in g]
+                router.release(s, groups)
         router.queue.forget_before(step)
         problems = router.queue.check_bounds(step)
         if problems:
             raise RuntimeError(f"streaming window {step}: " + "; ".join(problems))
-        if w.scored is None:
-            router.until_complete(step)
-            self._spans()
-            w.scored = run.job.score(step, run.rollouts[step].results, run.ledger)
         stop = threading.Event()
-        more = any(s > step for s in router.queue.in_flight_steps())
-        future = run.cluster.submit(router.pump, stop.is_set, f"rollout after {step}", stop.wait) if more else None
+        future = run.cluster.submit(router.pump, stop.is_set, f"rollout in window {step}", stop.wait)
         try:
             if w.trained is None:
-                w.trained = run._train(step, w.scored)
+                w.scored, stats = self._accumulate(step, future)
+                w.trained = run._trained(step, w.scored, stats)
             run._finish_pending()
         finally:
             stop.set()
-            if future is not None:
-                future.result()
+            future.result()
         self._spans()
         run.cluster.raise_if_lost(f"step {step}")
         if w.synced is None:
@@ -97,6 +100,46 @@ class Streaming:
             report = run._report(w)
             w.reported = True
             run._decide(step, report)
+
+    def _accumulate(self, step: int, pump: Any) -> tuple[Any, list[dict]]:
+        """Train step `step` while the router (the `pump` thread) generates it: score each prompt
+        group once complete, hand each micro-batch to the trainers once its groups are scored,
+        the optimizer step with the last one. Returns the scored step and the last call's stats."""
+        run = self.run
+        acc = StepAccumulator(step, self.expected.pop(step), micro_batch_size=run.cfg.train.micro_batch_size,
+                              samples_per_prompt=run.cfg.rollout.samples_per_prompt)
+        buf, parts, first = run.rollouts[step], [], True
+        while True:
+            if pump.done():  # the router's thread ended before step `step` was in: its error
+                pump.result()
+                raise RuntimeError(f"streaming window {step}: the rollout thread stopped early")
+            for group in acc.complete_groups(buf.results):
+                acc.add_scored(run.job.score(step, group, run.ledger))
+            ready = acc.take_ready()
+            if not ready:
+                time.sleep(WAKE_S)
+                continue
+            last = acc.done
+            out = run.cluster.train_part(step, ready, begin=first, num_micro_batches=acc.num_micro_batches,
+                                         total_tokens=acc.total_tokens if last else None)
+            first = False
+            parts.append((min(o["t0"] for o in out), max(o["t1"] for o in out)))
+            if last:
+                self.train_parts[step] = parts
+                return acc.scored_step(), out
+            for o in out:  # the last call's spans come with the step's (`Run._trained`)
+                run.rec.emit("span", device=o["device"], name="train", start_s=run.rel(o["t0"]),
+                             end_s=run.rel(o["t1"]), step=step)
+
+    def train_times(self, step: int, num_train: int) -> tuple[float, float, float]:
+        """(training seconds, training device-seconds, seconds trained after the step's last
+        sample) of step `step`: its calls' spans summed, times the trainers, and from its last
+        sample (or its first call, if later) to its optimizer step's end."""
+        c, parts = self.run.timing.clock, self.train_parts.pop(step)
+        train_s = sum(c.span(t0, t1) for t0, t1 in parts)
+        buf = self.run.rollouts.get(step)
+        done = buf.t1 if buf is not None and buf.t1 else parts[-1][0]
+        return train_s, train_s * num_train, c.span(max(done, parts[0][0]), parts[-1][1])
 
     def _spans(self) -> None:
         run = self.run

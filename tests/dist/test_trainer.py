@@ -59,6 +59,19 @@ def _step(trainer, step: int) -> dict:
     return stats
 
 
+def _step_in_parts(trainer, step: int) -> dict:
+    """The same step trained in two parts (as a streaming step whose samples arrive out of order:
+    `begin_grads`, `add_grads` per part, `reduce_grads`), each rank its micro-batches i mod W."""
+    w, mbs = len(trainer.ranks), _micro_batches(step)
+    trainer.begin_grads()
+    for part in ([i for i in range(NUM_MICRO_BATCHES) if i % 3 != 1], [i for i in range(NUM_MICRO_BATCHES) if i % 3 == 1]):
+        rounds = max(sum(1 for i in part if i % w == r) for r in range(w))
+        trainer.add_grads([mbs[i] for i in part if i % w == trainer.index], _loss_fn, rounds=rounds)
+    stats = trainer.reduce_grads(num_micro_batches=NUM_MICRO_BATCHES)
+    stats.update(trainer.apply_optimizer())
+    return stats
+
+
 def _state(trainer) -> dict:
     """This rank's pieces of every kind, copied, with the layout to assemble them."""
     return {"pieces": {k: [t.clone() for t in trainer.pieces(k)] for k in trainer.spec.kinds()},
@@ -90,6 +103,15 @@ def _worker(rank: int, out: str) -> None:
             full = dict(t.full_params())
             torch.save({"stats": stats, "full": full, **_state(t)}, f"{out}/det-w{w}-r{rank}.pt")
         dist.barrier()
+
+    # The same steps trained in parts at W=2 (a streaming step accumulating as samples arrive).
+    if rank < 2:
+        t = trainer(det, 2)
+        stats = [_step_in_parts(t, s) for s in range(NUM_STEPS)]
+        full = dict(t.full_params())
+        if rank == 0:
+            torch.save({"stats": stats, "full": full}, f"{out}/parts-w2.pt")
+    dist.barrier()
 
     # Reshard W=4 -> W=3 after NUM_STEPS steps (every kind through the plan), then one more step.
     t4 = trainer(det, 4)
@@ -177,6 +199,14 @@ def test_deterministic_state_does_not_depend_on_world_size(runs):
         assert all(s["num_tokens"] == NUM_MICRO_BATCHES * 2 * 23 for s in parts[0]["stats"])
     assert ref["stats"][0]["clip_coef"] < 1.0  # clipping ran (max_grad_norm=1.0)
     assert "lm_head.weight" not in ref["full"]  # tied: one parameter
+
+
+@pytest.mark.dist
+def test_a_step_trained_in_parts_equals_the_whole_step(runs):
+    ref, parts = _load(runs, "det-w1-r0"), _load(runs, "parts-w2")
+    assert all(torch.equal(parts["full"][k], ref["full"][k]) for k in ref["full"])
+    assert [s["loss"] for s in parts["stats"]] == [s["loss"] for s in ref["stats"]]
+    assert [s["num_micro_batches"] for s in parts["stats"]] == [NUM_MICRO_BATCHES] * NUM_STEPS
 
 
 @pytest.mark.dist

@@ -1,11 +1,13 @@
 """End to end: the streaming pipeline (`train.staleness = 2`) on the real runtime, Ray + gloo, CPU.
 
-One scripted run with resizes each way and one static run, both deterministic, staleness 2:
-the ledger holds with every `consumed_step - version <= 2` (and the bound is reached), the
+One scripted run with resizes each way and one static run, both deterministic, staleness 2
+(the trainers accumulate each step in parts as its groups arrive): the ledger holds with every `consumed_step - version <= 2` (and the bound is reached), the
 leaving engine is drained (`drain_s` on the resize record), and the two runs generate the same
 tokens and end with the same parameters (within 1e-6), though the static one also evaluates
 (which drains every engine and gives it the newest version between windows).
 """
+
+from collections import Counter
 
 import pytest
 
@@ -62,6 +64,10 @@ def test_staleness_2_with_resizes_keeps_the_ledger_and_the_bound(stream_pair):
     assert all(s["version"] == max(0, s["consumed_step"] - ETA) for s in samples)
     # the throughput model is told how many engine calls each step was cut into: one per prompt group
     assert [s["rollout_chunks"] for s in read_records(out / "records.jsonl", "step")] == [4] * STEPS
+    # the trainers accumulated some step in parts as its groups arrived (a "train" span per part)
+    parts = Counter((r["step"], r["device"]) for r in read_records(out / "records.jsonl", "span")
+                    if r["name"] == "train")
+    assert max(parts.values()) > 1 and {k for k, _ in parts} == set(range(STEPS))
 
 
 def test_staleness_2_run_with_resizes_equals_static_run(stream_pair):

@@ -315,6 +315,8 @@ def _train_steps(cfg: RunConfig, steps: int = 2) -> list:
                            moments={k: [torch.zeros_like(p) for p in params] for k in MOMENT_KINDS},
                            _grad_coef=None, group=None)
     fake._rng = lambda i: FSDPTrainer._rng(fake, i)
+    for name in ("begin_grads", "add_grads", "reduce_grads"):
+        setattr(fake, name, getattr(FSDPTrainer, name).__get__(fake))
     fake._reshard_roots = lambda: None
     fake.state_bytes = lambda: 0
     worker = DeviceWorker.__new__(DeviceWorker)

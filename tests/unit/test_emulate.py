@@ -152,6 +152,26 @@ def test_rollout_plan_is_the_simulators_replicas(target, num_rollout):
     assert max(p for _, p in plan) == emu.rollout_s(2, num_rollout)
 
 
+@pytest.mark.parametrize("target, num_rollout", [("h100:7b", 3), ("h100:7b", 5), ("h200:32b", 4)])
+def test_stream_plan_is_the_streaming_engines_shares(target, num_rollout):
+    """Streaming: shares of ceil(B / replicas) consecutive samples, each paced to its time on one
+    replica (`StageModel.chunk`, as `sim.stream` dispatches them); a replica's devices split it.
+    A step's training parts add up to its whole training time."""
+    emu = _emu(target, prompts=6, samples=4)
+    tp = emu.model.rollout_tp
+    shares = emu.stream_shares(2, num_rollout)
+    share = -(-24 // (num_rollout // tp))
+    assert shares == [(lo, min(lo + share, 24)) for lo in range(0, 24, share)]
+    plan = emu.stream_plan(2, num_rollout)
+    assert len(plan) == len(shares) * tp
+    assert sorted(i for positions, _ in plan for i in positions) == list(range(24))
+    for k, (lo, hi) in enumerate(shares):
+        for positions, pace_s in plan[k * tp:(k + 1) * tp]:
+            assert set(positions) <= set(range(lo, hi)) and pace_s == emu.stages.chunk(2, lo, hi).time_s
+    parts = emu.train_part_s(2, list(range(10)), 4, last=False) + emu.train_part_s(2, list(range(10, 24)), 4, last=True)
+    assert parts == pytest.approx(emu.train_s(2, 4), rel=1e-12)
+
+
 def test_report_carries_the_engines_floor_and_the_fixed_train_time():
     from dynaresize.types import StepReport
 
@@ -179,7 +199,7 @@ def test_prediction_runs_the_runtimes_policy_from_the_runtimes_split():
 
 def test_streaming_prediction_is_the_runtimes_pipeline():
     """train.staleness >= 2: predict and best_static run the streaming engine as the runtime runs
-    it (a step trains once its samples are in, one share per engine at a time)."""
+    it (trainers accumulating as a step's samples arrive, one share per engine at a time)."""
     from dynaresize.emulate import best_static
     from dynaresize.policy.baselines import Planned
     from dynaresize.sim.stream import run_stream
@@ -190,11 +210,11 @@ def test_streaming_prediction_is_the_runtimes_pipeline():
     bounds = run_bounds(cfg)
     res = predict(cfg, "static:3")
     same = run_stream(sc, sc.stages(), Planned("s", [3] * 6), bounds, start_rollout=3, staleness=2,
-                      accumulate=False, admit=False)
+                      admit=False)
     assert res.staleness == 2 and res.total_time_s == pytest.approx(same.total_time_s, rel=1e-12)
     split, rate = best_static(cfg)
     totals = {r: run_stream(sc, sc.stages(), Planned("s", [r] * 6), bounds, start_rollout=r, staleness=2,
-                            accumulate=False, admit=False).total_time_s for r in bounds.splits()}
+                            admit=False).total_time_s for r in bounds.splits()}
     assert split == min(totals, key=lambda r: (totals[r], r))
     assert rate == pytest.approx(sc.total_samples() / totals[split])
 
@@ -256,6 +276,9 @@ def test_router_sends_each_device_its_replica_at_once():
     evals = [[GenRequest(sample_id=(-1, p, s), prompt_ids=[1], max_new_tokens=4, seed=0) for s in range(4)]
              for p in range(2)]
     assert pacing.rollout_chunks(-1, evals, 4) == evals  # evaluation (step -1) is not modelled: unpaced
+    stream = pacing.rollout_chunks(2, groups, 4, stream=True)  # the streaming pipeline's shares
+    assert [[pacing.emulator.sample_index(r.sample_id) for r in c] for c in stream] == \
+        [list(p) for p, _ in pacing.emulator.stream_plan(2, 4)]
 
 
 def test_emulate_flag_replaces_the_presets_emulation_and_its_time_scale():

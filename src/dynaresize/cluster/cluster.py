@@ -297,15 +297,43 @@ class Cluster:
     def train(self, step: int, micro_batches: list[list[Any]], total_tokens: int) -> list[dict]:
         """One training step: micro-batch i goes to the (i mod W)-th training device."""
         devices = self.assignment.devices(TRAIN)
-        per: dict[int, list[tuple[int, list]]] = {d: [] for d in devices}
-        for i, mb in enumerate(micro_batches):
-            per[devices[i % len(devices)]].append((i, mb))
+        per = self._by_position(list(enumerate(micro_batches)), devices)
         self.reach("train", step, devices)
         pace_s = self.pacing.train_s(step, len(devices))
         refs = [self.pacing.call(self.workers[d], "train", step, per[d], len(micro_batches), total_tokens,
                                  pace_s=pace_s) for d in devices]
-        leavers, self.deferred_moments = self.deferred_moments, ()  # NCCL: their sends match this step's receives
-        flushed = [(d, self.workers[d].flush_moments.remote()) for d in leavers]
+        return self._train_wait(step, devices, refs, last=True)
+
+    def train_part(self, step: int, micro_batches: list[tuple[int, list[Any]]], *, begin: bool,
+                   num_micro_batches: int, total_tokens: int | None) -> list[dict]:
+        """Part of a streaming step's training (the trainers accumulate as its groups arrive):
+        micro-batches (index, samples) of the step, micro-batch i on the (i mod W)-th training
+        device as in `train`; the part with `total_tokens` applies the optimizer step
+        (`DeviceWorker.train_part`). Emulated, paced to these samples' share of the step's
+        training compute, plus the fixed exposed time on the last part."""
+        devices = self.assignment.devices(TRAIN)
+        per = self._by_position(micro_batches, devices)
+        rounds = max((len(v) for v in per.values()), default=0)
+        if begin:
+            self.reach("train", step, devices)
+        samples = [s for _, mb in micro_batches for s in mb]
+        pace_s = self.pacing.train_part_s(step, samples, len(devices), last=total_tokens is not None)
+        refs = [self.pacing.call(self.workers[d], "train_part", step, per[d], rounds, begin, num_micro_batches,
+                                 total_tokens, pace_s=pace_s) for d in devices]
+        return self._train_wait(step, devices, refs, last=total_tokens is not None)
+
+    @staticmethod
+    def _by_position(micro_batches: list[tuple[int, Any]], devices) -> dict[int, list[tuple[int, Any]]]:
+        per: dict[int, list[tuple[int, Any]]] = {d: [] for d in devices}
+        for i, mb in micro_batches:
+            per[devices[i % len(devices)]].append((i, mb))
+        return per
+
+    def _train_wait(self, step: int, devices, refs: list, *, last: bool) -> list[dict]:
+        flushed = []
+        if last:  # NCCL: the leavers' moment sends match this step's receives (before its optimizer step)
+            leavers, self.deferred_moments = self.deferred_moments, ()
+            flushed = [(d, self.workers[d].flush_moments.remote()) for d in leavers]
         stats = self.wait(list(zip(devices, refs)) + flushed, f"train {step}")[:len(devices)]
         for st in stats:
             self.pacing.note(st)

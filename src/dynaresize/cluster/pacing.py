@@ -95,16 +95,19 @@ class DriverPacing:
 
     # ------------------------------------------------------------------ stages
 
-    def rollout_chunks(self, step: int, groups: list[list[Any]], num_devices: int) -> list[list[Any]]:
+    def rollout_chunks(self, step: int, groups: list[list[Any]], num_devices: int, *,
+                       stream: bool = False) -> list[list[Any]]:
         """The router's queue: unchanged without emulation (one prompt group per dispatch);
         emulated, one `PacedRequests` per rollout device, as the simulator's replicas split the
-        step (`Emulator.rollout_plan`; requests not in `groups` are left out)."""
+        step (`Emulator.rollout_plan`), or with `stream` the streaming pipeline's shares of
+        consecutive samples (`Emulator.stream_plan`); requests not in `groups` are left out."""
         if self.emulator is None or num_devices < 1 or step < 0:  # step < 0: evaluation, not modelled
             return list(groups)
         index = self.emulator.sample_index
         present = {index(r.sample_id): r for g in groups for r in g}
         chunks = []
-        for positions, pace_s in self.emulator.rollout_plan(step, num_devices):
+        plan = self.emulator.stream_plan if stream else self.emulator.rollout_plan
+        for positions, pace_s in plan(step, num_devices):
             mine = [present[i] for i in positions if i in present]
             if mine:
                 chunks.append(PacedRequests(mine, pace_s))
@@ -112,6 +115,14 @@ class DriverPacing:
 
     def train_s(self, step: int, num_train: int) -> float | None:
         return self.emulator.train_s(step, num_train) if self.emulator is not None else None
+
+    def train_part_s(self, step: int, samples: list[Any], num_train: int, *, last: bool) -> float | None:
+        """A part of a streaming step's training: these samples' share of its compute, and on
+        the last part the fixed exposed time (the parts of a step add up to `train_s`)."""
+        if self.emulator is None:
+            return None
+        index = self.emulator.sample_index
+        return self.emulator.train_part_s(step, [index(s.sample_id) for s in samples], num_train, last=last)
 
     def sync_s(self) -> float | None:
         return self.emulator.sync_s if self.emulator is not None else None

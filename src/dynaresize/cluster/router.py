@@ -52,7 +52,7 @@ class StreamRouter:
     def release(self, step: int, groups: list[list[Any]]) -> None:
         """Queue `step` (its weights exist): its groups, or emulated one share per rollout device."""
         n = max(1, len(self.cluster.assignment.devices(ROLLOUT)))
-        items = self.cluster.pacing.rollout_chunks(step, groups, n)
+        items = self.cluster.pacing.rollout_chunks(step, groups, n, stream=True)
         self.items_per_step[step] = len(items)
         self.queue.release(step, items)
         self.buffers[step] = StepRollout(step=step, remaining=[], t0=time.time())
@@ -144,9 +144,6 @@ class StreamRouter:
                 raise RuntimeError(f"weight pull of version {version} (step {step}): the engine on device "
                                    f"{self.cluster.ids[d]} does not hold the trainers' weights (digest mismatch)")
         self.pulls.append({**r, "device": self.cluster.ids[d]})
-
-    def until_complete(self, step: int) -> None:
-        self.pump(lambda: self.queue.complete(step), f"rollout {step}")
 
     def drain(self, devices) -> tuple[float, float]:
         """Route nothing new to `devices`; pump until none of them has a request in flight.

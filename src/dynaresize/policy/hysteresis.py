@@ -9,7 +9,8 @@ current split (no move for a noise-level difference). Then:
   and points the same way; disarm otherwise (the band is the hysteresis). A gain
   between the two bands also arms when the window's reports agree on it: predicted once from
   each report's own parameters, its mean is more than `GAIN_T` standard errors above 0 (a
-  small but persistent gain is worth taking when a move costs ~1 s against ~100 s steps);
+  small but persistent gain is worth taking when a move costs ~1 s against ~100 s steps),
+  unless the move would reverse one made within `horizon_steps` (that takes the enter band);
 - fire when armed for `dwell_steps` consecutive reports, no move was made in the last
   `cooldown_steps` reports, and the gain summed over the horizon (or the steps left, if fewer)
   exceeds `cost_margin` x the predicted cost of the move (doubled when the move reverses the
@@ -117,7 +118,11 @@ class Hysteresis:
         gain = current - float(preds[j])
         rel = gain / current if current > 0 else 0.0
         direction = (target > r) - (target < r)
-        arm = rel >= cfg.enter_band or (rel >= cfg.exit_band and self._significant(r, target, n_dev, ahead))
+        # A small but significant gain does not undo a recent move: that takes the enter band.
+        recent = self._last_move is not None and direction == -self._last_move[1] \
+            and report.step - self._last_move[0] < cfg.horizon_steps
+        arm = rel >= cfg.enter_band or (rel >= cfg.exit_band and not recent
+                                        and self._significant(r, target, n_dev, ahead))
         count = self.persist.update(direction, arm, rel >= cfg.exit_band)
         self.last_prediction = {"current_s": current, "target_s": float(preds[j]), "target": target, "gain": rel}
         if learning:  # one-step-off: the reports while profiling count toward the dwell; no move before profile_steps

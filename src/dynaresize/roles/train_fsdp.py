@@ -334,21 +334,50 @@ class FSDPTrainer:
         if set(local) != expected:
             raise ValueError(f"rank position {self.index} of {w} got micro-batches {sorted(local)}, "
                              f"expected {sorted(expected)}")
+        self.begin_grads()
+        self.add_grads(sorted(local.items()), loss_fn, rounds=math.ceil(m / w))
+        return self.reduce_grads(num_micro_batches=m)
+
+    def begin_grads(self) -> None:
+        """Start a step's gradient: nothing accumulated yet."""
         for p in self.params:
             p.grad = None
-        sums = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
+        self._sums = torch.zeros(len(_STAT_NAMES), dtype=torch.float64)
+        self._fwd_bwd_s = 0.0
+
+    def add_grads(self, micro_batches: Sequence[tuple[int, Any]], loss_fn: LossFn, *, rounds: int) -> None:
+        """Forward/backward of this rank's `micro_batches` ((index, micro-batch), in order), one per
+        round for `rounds` rounds (a zero-weighted dummy once this rank has none left), added to
+        the gradient earlier calls of the step left. Every rank of the group calls it with the same
+        `rounds` (FSDP's collectives match round by round). A micro-batch's RNG depends only on its
+        index, so the calls a step is cut into do not change what each one computes."""
+        if len(micro_batches) > rounds:
+            raise ValueError(f"{len(micro_batches)} micro-batches for {rounds} rounds on rank position {self.index}")
         t0 = time.perf_counter()
-        for r in range(math.ceil(m / w)):
-            i = r * w + self.index
+        for r in range(rounds):
+            i, mb = micro_batches[r] if r < len(micro_batches) else (-1 - r, None)
             with self._rng(i):
-                loss, stats = loss_fn(self.model, local.get(i))
+                loss, stats = loss_fn(self.model, mb)
                 loss.backward()
-            if i < m:
+            if mb is not None:
                 for j, name in enumerate(_STAT_NAMES[:-1]):
-                    sums[j] += float(stats.get(name, 0.0))
-                sums[-1] += 1.0
+                    self._sums[j] += float(stats.get(name, 0.0))
+                self._sums[-1] += 1.0
         self._reshard_roots()
+        self._fwd_bwd_s += time.perf_counter() - t0
+
+    def reduce_grads(self, *, num_micro_batches: int, scale: float = 1.0) -> dict:
+        """The step's gradient times `scale` (a loss normalised only once the step's token count
+        is known), its global norm and clip coefficient, and the step's stats summed over the
+        group. Collective over the group."""
+        w, m, sums = len(self.ranks), num_micro_batches, self._sums
         t1 = time.perf_counter()
+        if scale != 1.0:
+            with torch.no_grad():
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.to_local().mul_(scale)
+            sums[_STAT_NAMES.index("loss_sum")] *= scale
         self.last_state_bytes = self.state_bytes()  # the peak: gradients and moments both held
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for p in self.params:
@@ -372,8 +401,8 @@ class FSDPTrainer:
         return {"loss": totals["loss_sum"], "grad_norm": norm, "clip_coef": clip,
                 "entropy": totals["entropy_sum"] / tokens, "kl": totals["kl_sum"] / tokens,
                 "clip_frac": totals["clipped_tokens"] / tokens, "num_tokens": int(totals["num_tokens"]),
-                "num_micro_batches": m, "num_local_micro_batches": len(local),
-                "fwd_bwd_s": t1 - t0, "reduce_s": t2 - t1, "train_state_bytes": self.last_state_bytes}
+                "num_micro_batches": m, "num_local_micro_batches": int(sums[-1]),
+                "fwd_bwd_s": self._fwd_bwd_s, "reduce_s": t2 - t1, "train_state_bytes": self.last_state_bytes}
 
     def apply_optimizer(self) -> dict:
         """AdamW on this rank's shards from the reduced gradient (clipped by the global norm)."""
@@ -403,18 +432,23 @@ class FSDPTrainer:
         return {"lr": lr, "optim_s": time.perf_counter() - t0}
 
     def forward_rounds(self, micro_batches: Sequence[tuple[int, Any]], num_micro_batches: int,
-                       fn: Callable[[nn.Module, Any], Any]) -> dict[int, Any]:
+                       fn: Callable[[nn.Module, Any], Any], *, rounds: int | None = None) -> dict[int, Any]:
         """`fn(model, mb)` without gradients on this rank's micro-batches, in the same rounds as
-        `compute_grads` (mb None: a dummy, so every rank runs FSDP's all-gathers in step).
-        Collective over the group. Returns {micro-batch index: fn's result}."""
+        `compute_grads` (index i mod W == position; or, with `rounds`, this rank's list in order
+        over `rounds` rounds, as `add_grads`); mb None: a dummy, so every rank runs FSDP's
+        all-gathers in step. Collective over the group. Returns {micro-batch index: fn's result}."""
         w = len(self.ranks)
-        local = dict(micro_batches)
+        if rounds is None:
+            local = dict(micro_batches)
+            order = [(r * w + self.index, local.get(r * w + self.index))
+                     for r in range(math.ceil(num_micro_batches / w))]
+        else:
+            order = list(micro_batches) + [(-1 - r, None) for r in range(len(micro_batches), rounds)]
         out: dict[int, Any] = {}
         with torch.no_grad():
-            for r in range(math.ceil(num_micro_batches / w)):
-                i = r * w + self.index
-                res = fn(self.model, local.get(i))
-                if i in local:
+            for i, mb in order:
+                res = fn(self.model, mb)
+                if mb is not None:
                     out[i] = res
         self._reshard_roots()
         return out
