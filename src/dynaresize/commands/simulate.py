@@ -41,11 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="partial rollout (streaming only): a running request continues under newer weights")
     p.add_argument("--no-accumulate", dest="accumulate", action="store_false",
                    help="streaming only: train a step once all its samples are in (default: the trainers "
-                        "accumulate gradients over its prompt groups as they arrive; what the runtime does not do yet)")
+                        "accumulate gradients over its prompt groups as they arrive, as the runtime does)")
     p.add_argument("--no-admit", dest="admit", action="store_false",
                    help="streaming only: a replica takes its next share only when its current one has ended "
                         "(default: it admits the next share of the same weight version while the last requests "
-                        "of its current one decode; what the runtime does not do yet)")
+                        "of its current one decode; the runtime does not do this yet: --no-admit models it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="policy.FIELD=VALUE",
                    help="override a policy setting, e.g. --set policy.enter_band=0.05 (repeatable)")
