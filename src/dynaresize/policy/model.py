@@ -396,7 +396,10 @@ class StreamStageModel:
         pull = max(report.rollout_sync_s, 0.0) / chunks
         reps = np.maximum(splits // self.unit, 1)
         share = np.minimum(slots, -(-B // reps))
-        shares = -(-B // share)
+        # Shares per step as a fluid count, B / (B / replicas) = replicas (B / slots where the
+        # admission limit caps a share): rounding B / share up would make a split whose last
+        # replica gets no share look a share cheaper, an artefact the engine does not show.
+        shares = np.maximum(reps, B / slots)
         if report.response_lengths:
             lengths = np.sort(np.asarray(report.response_lengths, dtype=np.float64))
             m_now = min(slots, -(-B // chunks))
