@@ -7,30 +7,39 @@ Semantics (issue 11):
   ceil(samples / replicas) consecutive samples (a prompt's samples stay together: one engine
   request with n samples), at most `slots` each (what a replica admits at once); every free
   replica takes the next share of the oldest released step (first-in first-out), runs it as one
-  continuous batch (`StageModel.chunk`), and, holding one weight version, takes its next share
-  when that one is done. So a replica that has finished its share of step k goes on with step
-  k+1, k+2, ... as soon as their weights exist, instead of waiting for the step's longest
-  response; a fast replica may take several shares of a step, a slow one fewer. A replica
-  whose weights are older than the share's version first pulls that version (`costs.sync_s`,
-  counted as work). Taking bigger shares when few replicas are free would raise each
-  replica's concurrency (more samples/s) but lengthen the step's rollout latency, which the
-  window must cover (docs/pipeline.md measures both); the even share keeps latency lowest.
-- training step k starts when every chunk of step k has ended (GRPO groups stay whole) and the
-  trainers are free; when it ends the trainers publish version k+1 (`costs.publish_s`) and the
-  controller gets step k's report. Which weights generate a sample depends only on its step.
+  continuous batch (`StageModel.chunk`). So a replica that has finished its share of step k
+  goes on with step k+1, k+2, ... as soon as their weights exist, instead of waiting for the
+  step's longest response; a fast replica may take several shares of a step, a slow one fewer.
+  A replica whose weights are older than the share's version first pulls that version
+  (`costs.sync_s`, counted as work). Bigger shares would raise each replica's concurrency but
+  lengthen the step's rollout latency (docs/pipeline.md measures both); the even share keeps
+  latency lowest.
+- admit (default): a replica holds one weight version; once only its share's longest request is
+  left it takes the next share *of the same version* into the same engine iterations (the tail
+  finishes alongside it); a share of another version waits until the replica is empty. Without
+  admit a replica takes its next share when the current one has ended.
+- accumulate (default): the trainers start step k when they are free and k is released, and run
+  each chunk's training compute (`StageModel.train_chunk_device_s`, a sum over its sequences) as
+  the chunk ends, in the order chunks end (GRPO groups stay whole: a chunk holds whole prompts);
+  the fixed part (optimizer step, exposed communication) follows the step's last chunk. Without
+  accumulate training step k starts when every chunk of step k has ended. Either way a step's
+  compute is the same (`train_s` reports it, waits excluded); when training ends the trainers
+  publish version k+1 (`costs.publish_s`) and the controller gets step k's report. Which
+  weights generate a sample depends only on its step.
 
 Bounded window: step k is released only after training step k-eta-1 has ended, so at most
 eta+1 steps are in rollout at once and at most eta+1 steps' samples are buffered; every engine
 holds one version; at most eta+1 versions are live (the staging buffer keeps a version until the
 last replica that needs it has pulled it).
 
-Partial rollout (`partial=True`): a replica takes its next chunk as soon as only its current
-chunk's longest request is left; that request keeps decoding in the same engine iterations,
-under the newer weights the next chunk pulls (its end moves by the pull's pause). Its tokens
+Partial rollout (`partial=True`, includes admit): a replica takes its next chunk as soon as only
+its current chunk's longest request is left, whatever its version; that request keeps decoding
+in the same engine iterations, under the newer weights the next chunk pulls (its end moves by
+the pull's pause). Its tokens
 then come from a range of versions whose oldest is v(k), so consumed_step - oldest <= eta
 still holds (counted in the summary). On real workers this mode is not deterministic.
 
-Resizes (same controller, plans and op costs as `sim.engine`):
+Resizes (same controller, plans and op costs as `sim.engine`; `sim.stream_resize`):
 - train -> rollout, at the training boundary where the report is made: the remaining trainers
   stall until the parameter shards have moved (the plan's chain up to move_param_shards); the
   moving devices become a replica once the plan's critical path has run; the optimizer shards
@@ -46,10 +55,11 @@ Resizes (same controller, plans and op costs as `sim.engine`):
 
 Idle accounting, device-seconds, the documented definition (weight sync counts as work):
 *bubble* = rollout devices with no chunk to run (the window is full: they wait for weights)
-plus trainers waiting for a step's last chunk (and for step 0); *resize* = devices on a
-resize's critical path, trainers stalled by it, drained devices waiting to join; no *tail*
-idle (a replica decoding one long request is busy, as in `sim.engine`). idle = bubble + resize
-and, without partial rollout, busy + idle = devices x total time (a unit test checks it).
+plus trainers waiting for a step's chunks (and for step 0); *resize* = devices on a resize's
+critical path, trainers stalled by it, drained devices waiting to join; no *tail* idle (a
+replica decoding one long request is busy, as in `sim.engine`). A replica's busy time is the
+union of what runs on it (a chunk admitted under a tail is not counted twice). idle = bubble +
+resize and busy + idle = devices x total time (a unit test checks it in every mode).
 
 Pure except for the optional recorder.
 """
@@ -62,14 +72,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dynaresize.control.controller import Controller, decision_fields
-from dynaresize.control.planner import JOIN_TRAIN_GROUP, MOVE_PARAM_SHARDS, RECEIVE_PARAM_SHARDS
-from dynaresize.control.state import Refusal
 from dynaresize.sim.costs import publish_s
 from dynaresize.sim.engine import PolicyResult, _Null
-from dynaresize.sim.resize import ResizeTiming, chain_timing, time_plan
 from dynaresize.sim.scenarios import Scenario
 from dynaresize.sim.stages import StageModel
-from dynaresize.types import ROLLOUT, Assignment, Bounds, ResizePlan, StepReport
+from dynaresize.sim.stream_resize import StreamResizes, _Drain
+from dynaresize.types import Assignment, Bounds, StepReport
 
 
 def rollout_version(step: int, staleness: int) -> int:
@@ -119,30 +127,20 @@ class _Step:
     last_train_dev_s: float = 0.0  # accumulate: training device-seconds of the chunk that ended last
 
 
-@dataclass(eq=False)
-class _Drain:
-    plan: ResizePlan
-    timing: ResizeTiming
-    decided_s: float
-    waiting: set  # replica ids not yet empty
-    drained_s: dict  # replica id -> when it was empty
-    ready_s: float | None = None  # when the drained devices can join the trainers
 
-
-class StreamEngine:
+class StreamEngine(StreamResizes):
     """One policy on the streaming pipeline; `run()` returns its PolicyResult."""
 
     def __init__(self, scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *, start_rollout: int,
                  staleness: int, partial: bool = False, accumulate: bool = True, admit: bool = True,
-                 reversal_window: int = 0,
-                 recorder=None, on_step: Callable[[int], None] | None = None) -> None:
+                 reversal_window: int = 0, recorder=None, on_step: Callable[[int], None] | None = None) -> None:
         if staleness < 2:
             raise ValueError(f"staleness={staleness}: the streaming engine needs >= 2 (1 is sim.engine)")
         self.sc, self.stages, self.eta, self.partial = scenario, stages, int(staleness), bool(partial)
         self.accumulate, self.admit = bool(accumulate), bool(admit) or bool(partial)
-        self.tr_step: int | None = None  # overlap: the step the trainers accumulate
-        self.tr_cursor = 0.0  # overlap: when the trainers finish the chunks they were given
-        self.tr_waited: dict[int, float] = {}  # overlap: device-seconds trainers waited inside step k
+        self.tr_step: int | None = None  # accumulate: the step the trainers are on
+        self.tr_cursor = 0.0  # accumulate: when they finish the chunks they were given
+        self.tr_waited: dict[int, float] = {}  # accumulate: device-seconds they waited inside step k
         self.N, self.K, self.tp = scenario.num_devices, scenario.num_steps, stages.tp
         self.rec = recorder if recorder is not None else _Null()
         self.on_step = on_step
@@ -362,7 +360,7 @@ class StreamEngine:
         self.push(now + dur, "train_end", k)
 
     def _feed(self, k: int, device_s: float, now: float) -> None:
-        """Overlap: the trainers take `device_s` of step k's compute when they are free, from now."""
+        """Accumulate: the trainers take `device_s` of step k's compute when they are free, from now."""
         n = self.train_start[k][1]
         if now > self.tr_cursor:
             self.tr_waited[k] += (now - self.tr_cursor) * n
@@ -370,7 +368,7 @@ class StreamEngine:
         self.tr_cursor += device_s / n
 
     def _finish_train(self, k: int, now: float) -> None:
-        """Overlap: every chunk of step k is in; the fixed part (optimizer step, exposed
+        """Accumulate: every chunk of step k is in; the fixed part (optimizer step, exposed
         communication) follows the last chunk's compute."""
         start, n = self.train_start[k]
         end = max(self.tr_cursor, now) + self.stages.model.train_comm_s
@@ -416,114 +414,11 @@ class StreamEngine:
             self.train_wait += (now - self.trainer_idle_since) * self.num_train
             self.trainer_idle_since = now
 
-    # ------------------------------------------------------------------ resizes
 
-    def apply(self, cmd, now: float, k: int) -> None:
-        if isinstance(cmd, Refusal):
-            self.res.refusals += 1
-            self.rec.emit("refused", step=cmd.step, requested_rollout=cmd.requested_rollout, reason=cmd.reason)
-            return
-        assert isinstance(cmd, ResizePlan)
-        timing = time_plan(cmd, self.stages.model, self.stages.hw)
-        self.res.resizes += 1
-        self.res.resize_critical_s += timing.critical_s
-        self.res.resize_total_s += timing.total_s
-        chain = {name: (s, e) for name, _, s, e, _ in chain_timing(self.stages.model, cmd.to_role, cmd.src.num_train,
-                                                                    cmd.dst.num_train, len(cmd.moving),
-                                                                    self.stages.hw)}
-        if cmd.to_role == ROLLOUT:
-            m, n_old = len(cmd.moving), self.num_train
-            stall = chain[MOVE_PARAM_SHARDS][1]
-            self._flush_trainers(now)
-            cost = stall * (n_old - m) + timing.critical_s * m
-            self.resize_idle += cost
-            self.num_train = n_old - m
-            self.stall_until = now + stall
-            self.trainer_idle_since = now + stall
-            self.opt_ready = now + timing.optimizer_ready_s
-            self.measured_cost = cost / self.N
-            self._emit_resize(cmd, timing, k, now, now, drain_s=0.0, stall_device_s=cost)
-            self.push(now + timing.critical_s, "join_rollout", cmd)
-        else:
-            moving = set(cmd.moving)
-            rids = {rid for rid in self.reps if rid in moving}
-            self.drain = _Drain(plan=cmd, timing=timing, decided_s=now, waiting=set(rids), drained_s={})
-            for rid in sorted(rids):
-                rep = self.reps[rid]
-                rep.draining = True
-                self.active_reps -= 1
-                self._check_drained(rep, now)
-
-    def on_join_rollout(self, now: float, plan: ResizePlan) -> None:
-        for d in sorted(plan.moving)[:: self.tp]:
-            self.reps[d] = _Rep(rid=d, idle_since=now)
-            self.active_reps += 1
-        self.ctl.on_resize_done(plan.resize_id, *self._timing_pair(plan))
-        self.dispatch(now)
-
-    def _timing_pair(self, plan: ResizePlan) -> tuple[float, float]:
-        t = time_plan(plan, self.stages.model, self.stages.hw)
-        return t.critical_s, t.total_s
-
-    def _check_drained(self, rep: _Rep, now: float) -> None:
-        d = self.drain
-        if d is None or rep.rid not in d.waiting or rep.running or rep.tails:
-            return
-        d.waiting.discard(rep.rid)
-        d.drained_s[rep.rid] = now
-        if rep.idle_since is not None:
-            self.rollout_wait += (now - rep.idle_since) * self.tp
-        del self.reps[rep.rid]
-        if not d.waiting:
-            chain = chain_timing(self.stages.model, d.plan.to_role, d.plan.src.num_train, d.plan.dst.num_train,
-                                 len(d.plan.moving), self.stages.hw)
-            join_off = next(s for name, _, s, _, _ in chain if name == JOIN_TRAIN_GROUP)
-            d.ready_s = now + join_off
-            self.res.drain_s += now - d.decided_s
-            self.push(d.ready_s, "join_ready")
-
-    def on_join_ready(self, now: float) -> None:
-        if not self.trainers_busy and now >= self.stall_until - 1e-12:
-            self.apply_join(now)
-
-    def apply_join(self, now: float) -> None:
-        d = self.drain
-        assert d is not None and d.ready_s is not None
-        chain = {name: (s, e) for name, _, s, e, _ in chain_timing(self.stages.model, d.plan.to_role,
-                                                                    d.plan.src.num_train, d.plan.dst.num_train,
-                                                                    len(d.plan.moving), self.stages.hw)}
-        join_off = chain[JOIN_TRAIN_GROUP][0]
-        stall = chain[RECEIVE_PARAM_SHARDS][1] - join_off
-        n_old = self.num_train
-        self._flush_trainers(now)
-        transit = sum((now + stall - t) * self.tp for t in d.drained_s.values())
-        cost = stall * n_old + transit
-        self.resize_idle += cost
-        self.num_train = n_old + len(d.plan.moving)
-        self.stall_until = now + stall
-        self.trainer_idle_since = now + stall
-        self.opt_ready = now + d.timing.optimizer_ready_s - join_off
-        self.measured_cost = cost / self.N
-        self.drain = None
-        self._emit_resize(d.plan, d.timing, d.plan.step, min(d.drained_s.values()), now - join_off,
-                          drain_s=max(d.drained_s.values()) - d.decided_s, stall_device_s=cost)
-        self.ctl.on_resize_done(d.plan.resize_id, d.timing.critical_s, d.timing.total_s)
-        self.push(self.stall_until, "try_train")
-
-    def _emit_resize(self, plan: ResizePlan, timing: ResizeTiming, k: int, pre_base: float, base: float, *,
-                     drain_s: float, stall_device_s: float) -> None:
-        join_off = None
-        for op in timing.ops:
-            if op.name == JOIN_TRAIN_GROUP:
-                join_off = op.start_s
-        for op in timing.ops:
-            t0 = pre_base if (join_off is not None and op.start_s < join_off) else base
-            self.rec.emit("op", resize_id=plan.resize_id, name=op.name, device=op.device, start_s=t0 + op.start_s,
-                          end_s=t0 + op.end_s, bytes=op.bytes, critical=op.critical)
-        ends = {"from": plan.src.to_json(), "to": plan.dst.to_json()}
-        self.rec.emit("resize", resize_id=plan.resize_id, step=k, **ends, moving=list(plan.moving),
-                      to_role=plan.to_role, critical_s=timing.critical_s, total_s=timing.total_s,
-                      bytes=timing.bytes_moved, reason=plan.reason, drain_s=drain_s, stall_device_s=stall_device_s)
+    def add_replica(self, rid: int, now: float) -> None:
+        """A device (group of tp devices) joined the rollout pool: a replica taking work from now."""
+        self.reps[rid] = _Rep(rid=rid, idle_since=now)
+        self.active_reps += 1
 
     # ------------------------------------------------------------------ accounting
 
@@ -565,7 +460,8 @@ class StreamEngine:
                       version=st.version, version_max=st.version_max, mixed_version_samples=st.mixed,
                       released_s=st.released_s, rollout_done_s=st.done_s, train_start_s=start,
                       rollout_work_s=st.work_s, rollout_serial_s=st.serial_s, rollout_sync_s=st.sync_s,
-                      train_tail_s=train_tail, rollout_chunks=st.chunks, rollout_floor_s=d.floor_s, rollout_slots=st.slots)
+                      train_tail_s=train_tail, rollout_chunks=st.chunks, rollout_floor_s=d.floor_s,
+                      rollout_slots=st.slots)
         report = StepReport(step=k, now_s=now, num_rollout=a.num_rollout, num_train=n, rollout_s=rollout_s,
                             train_s=self.train_dur[k], sync_s=self.publish[k], step_s=step_s,
                             rollout_work_s=st.work_s, rollout_longest_s=d.floor_s,
@@ -607,9 +503,8 @@ class StreamEngine:
 
 def run_stream(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *, start_rollout: int, staleness: int,
                partial: bool = False, accumulate: bool = True, admit: bool = True, reversal_window: int = 0,
-               recorder=None,
-               on_step: Callable[[int], None] | None = None) -> PolicyResult:
+               recorder=None, on_step: Callable[[int], None] | None = None) -> PolicyResult:
     """Simulate one policy on the streaming pipeline (see the module docstring)."""
     return StreamEngine(scenario, stages, policy, bounds, start_rollout=start_rollout, staleness=staleness,
-                        partial=partial, accumulate=accumulate, admit=admit, reversal_window=reversal_window, recorder=recorder,
-                        on_step=on_step).run()
+                        partial=partial, accumulate=accumulate, admit=admit, reversal_window=reversal_window,
+                        recorder=recorder, on_step=on_step).run()
