@@ -242,9 +242,13 @@ class Emulator:
         hardware knows: the floor of the rollout it measured (its longest response at its
         batch-1 pace) and the training stage's fixed exposed time; under streaming (the report
         counts engine calls) also the shares' serial part, the engine's admission limit and the
-        emulated response lengths, which the throughput model reads."""
+        emulated response lengths, which the throughput model reads; one-step-off, the emulated
+        training demand of the batch trained and of the next one."""
         floor = self.rollout_floor_s(rollout_step) if rollout_step is not None else 0.0
-        extra = {}
+        extra: dict = {}
+        if report.train_tokens > 0:  # one-step-off: the emulated batches' training demand, as the simulator's
+            extra = {"train_tokens": self.stages.seq_tokens(report.step),
+                     "next_train_tokens": self.stages.seq_tokens(rollout_step) if rollout_step is not None else 0}
         if report.rollout_chunks > 0 and rollout_step is not None:  # streaming: the shares' serial part
             serial = sum(self.stages.chunk(rollout_step, lo, hi).serial_s
                          for lo, hi in self.stream_shares(rollout_step, report.num_rollout))

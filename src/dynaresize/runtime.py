@@ -314,7 +314,8 @@ class Run:
             rollout_floor_s=longest, num_samples=len(scored.samples), response_tokens=scored.num_tokens,
             idle_device_s=max(0.0, a.num_devices * window - busy), tail_idle_device_s=tail_idle,
             resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens,
-            **(self._stream_fields(step, scored, sync, train_tail) if self.stream else {}))
+            **(self._stream_fields(step, scored, sync, train_tail) if self.stream else
+               self._train_tokens(step, scored, rolled)))
         report = self.timing.report(report, rolled_step)
         self.last_critical_s = None
         self.stats["idle_device_s"] += report.idle_device_s
@@ -330,6 +331,16 @@ class Run:
                       **({"rollout_chunks": report.rollout_chunks} if self.stream else {}),
                       recoveries=w.recoveries, **train_fields(train_stats), **timing)
         return report
+
+    def _train_tokens(self, step: int, scored: ScoredStep, rolled: Any) -> dict:
+        """One-step-off: the training demand, in sequence tokens, of the batch just trained and of
+        the one the next step trains (rolled out in this window, so known before the decision)."""
+        out = {"train_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in scored.samples)}
+        if rolled is not None:
+            prompts = {r.sample_id: len(r.prompt_ids) for g in self.job.requests(step + 1) for r in g}
+            out["next_train_tokens"] = sum(prompts.get(res.sample_id, 0) + len(res.response_ids)
+                                           for _, res in rolled.results)
+        return out
 
     def _stream_fields(self, step: int, scored: ScoredStep, pulls: list[dict], train_tail: float) -> dict:
         """What the streaming throughput model reads (`policy.model.StreamStageModel`): the

@@ -2,6 +2,7 @@
 simulator's own functions, time scaling (the pacer and the run's clock), and the router's split."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -180,6 +181,10 @@ def test_report_carries_the_engines_floor_and_the_fixed_train_time():
     out = emu.report(r, 2)
     assert out.rollout_floor_s == emu.rollout_floor_s(2) and out.train_fixed_s == emu.train_fixed_s
     assert emu.report(r, None).rollout_floor_s == 0.0
+    # one-step-off: the emulated batches' training demand (what the simulator's engine reports)
+    tok = emu.report(replace(r, train_tokens=7, next_train_tokens=9), 2)
+    assert (tok.train_tokens, tok.next_train_tokens) == (emu.stages.seq_tokens(1), emu.stages.seq_tokens(2))
+    assert emu.stages.seq_tokens(2) == int(emu.batch(2).response_tokens.sum() + emu.batch(2).prompt_tokens.sum())
 
 
 def test_prediction_runs_the_runtimes_policy_from_the_runtimes_split():

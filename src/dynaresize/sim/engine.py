@@ -146,8 +146,8 @@ def run_policy(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *
             ro = stages.rollout(k + 1, a.num_rollout) if k + 1 < K else None
             st = {"k": k, "start": now, "t0": t0, "stall": stall, "R": a.num_rollout, "n": a.num_train,
                   "ro": ro, "train_s": train_s, "fixed": tr.fixed_s, "roll_end": None, "train_end": None,
-                  "lend": None, "version": 0, "train_tokens": _seq_tokens(stages, k),
-                  "next_train_tokens": _seq_tokens(stages, k + 1) if k + 1 < K else 0}
+                  "lend": None, "version": 0, "train_tokens": stages.seq_tokens(k),
+                  "next_train_tokens": stages.seq_tokens(k + 1) if k + 1 < K else 0}
             res.resize_idle_device_s += N * stall
             q.push(t0 + train_s, "train_done", k)
             if ro is not None:
@@ -237,12 +237,6 @@ def _account(res: PolicyResult, st: dict, now: float, N: int, rec, measured_cost
                       idle_device_s=tail + bubble, tail_idle_device_s=tail, resize_critical_s=measured_cost,
                       rollout_floor_s=ro.floor_s if ro else 0.0, train_tokens=st["train_tokens"],
                       next_train_tokens=st["next_train_tokens"])
-
-
-def _seq_tokens(stages: StageModel, b: int) -> int:
-    """Sequence tokens (prompt + response) of batch `b`: what its training processes."""
-    batch = stages.batch(b)
-    return int(batch.response_tokens.sum() + batch.prompt_tokens.sum())
 
 
 def _apply(cmd, ctl: Controller, res: PolicyResult, rec, now: float, model, k: int, hw) -> ResizeTiming | None:

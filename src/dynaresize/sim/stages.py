@@ -238,6 +238,10 @@ class StageModel:
             self._train_dev_s[b] = v
         return v
 
+    def seq_tokens(self, b: int) -> int:
+        """Sequence tokens (prompt + response) of batch `b`: what its training processes."""
+        return int(self.data(b).seq_sum)
+
     def train_chunk_device_s(self, b: int, lo: int, hi: int) -> float:
         """Device-seconds of training compute for samples lo..hi-1 of batch `b` (the compute is
         a sum over sequences, so a step's chunks add up to `train_device_s(b)`)."""
