@@ -1,0 +1,199 @@
+"""The vLLM engine's weights: how they are cut for in-place loading, digested, and read or
+written inside vLLM's worker (the `_rpc_*` functions run there through `collective_rpc`).
+
+- `weight_groups` / `weight_chunks`: a state dict cut so that a decoder layer (hence every fused
+  group of it: q/k/v, gate/up, weight+bias) is never split across two reload calls;
+- `state_dict_digest` and `_rpc_digest`: the same digest of the weights given and of the
+  weights the engine computes with (`STALE_HEAD` marks a tied lm_head kernel that lags its
+  embedding);
+- `_engine_tensors` / `_linear_weight`: the engine's parameters as dense tensors (CPU kernels
+  keep packed weights; a probe recovers them).
+
+Used by `roles.rollout_vllm`; no engine state of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+# ---------------------------------------------------------------- digests and chunks
+
+
+def state_dict_digest(state_dict: Mapping[str, Any], names: Iterable[str] | None = None,
+                      dtype: torch.dtype = torch.float32) -> str:
+    """`roles.weight_sync.weights_digest` of the named tensors of `state_dict` (all by default).
+
+    The engine's `weights_digest` computes the same from the weights it actually computes
+    with, so equal digests mean the engine holds exactly these weights."""
+    from dynaresize.roles.weight_sync import weights_digest
+
+    return weights_digest(((n, state_dict[n]) for n in (state_dict if names is None else names)), dtype)
+
+
+def weight_groups(names: Iterable[str]) -> list[list[str]]:
+    """Names grouped so that every decoder layer (hence every fused group of it) is one group;
+    weights outside the layers (embeddings, final norm, lm_head) form one more group."""
+    layers: dict[str, list[str]] = {}
+    rest: list[str] = []
+    for name in names:
+        m = _LAYER.search(name)
+        if m:
+            layers.setdefault(name[:m.end()], []).append(name)
+        else:
+            rest.append(name)
+    groups = [layers[k] for k in sorted(layers, key=lambda k: (int(_LAYER.search(k).group(2)), k))]
+    return groups + ([rest] if rest else [])
+
+
+def weight_chunks(state_dict: Mapping[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    """`weight_groups` packed in order into chunks of at most `max_bytes` (a group larger than
+    that is a chunk of its own; None or 0: one chunk)."""
+    groups = weight_groups(state_dict)
+    if not max_bytes:
+        return [[n for g in groups for n in g]] if groups else []
+    chunks: list[list[str]] = []
+    size = 0
+    for g in groups:
+        g_bytes = sum(state_dict[n].numel() * state_dict[n].element_size() for n in g)
+        if chunks and size + g_bytes <= max_bytes:
+            chunks[-1].extend(g)
+            size += g_bytes
+        else:
+            chunks.append(list(g))
+            size = g_bytes
+    return chunks
+
+
+# ---------------------------------------------------------------- worker-side functions
+# Run inside vLLM's worker through `collective_rpc` (first argument: the worker). Module-level
+# so they would also pickle to a worker process.
+
+
+def _rpc_reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = layerwise.level
+    layerwise.setLevel(logging.ERROR)  # "RotaryEmbedding: Failed to load weights": its cache is not a weight
+    try:
+        worker.model_runner.reload_weights(weights_iterator=iter(items))
+    finally:
+        layerwise.setLevel(level)
+
+
+def _rpc_redispatch_tied_head(worker: Any) -> bool:
+    """Rebuild the tied lm_head's kernel state from the (reloaded) embedding weights."""
+    model = worker.model_runner.get_model()
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return False
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+    return True
+
+
+def _rpc_weight_shapes(worker: Any) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in _engine_tensors(worker.model_runner.get_model(), materialize=False)}
+
+
+STALE_HEAD = "stale-tied-lm_head:"  # prefix of a digest whose tied lm_head kernel lags its embedding
+
+
+def _rpc_digest(worker: Any, names: list[str] | None, dtype: torch.dtype) -> str:
+    model = worker.model_runner.get_model()
+    tensors = dict(_engine_tensors(model, materialize=True, only=names))
+    missing = sorted(set(names or ()) - set(tensors))
+    if missing:
+        raise KeyError(f"the engine holds no weight named {missing[:5]}")
+    digest = state_dict_digest(tensors, names, dtype)
+    return STALE_HEAD + digest if _tied_head_is_stale(model) else digest
+
+
+def _tied_head_is_stale(model: torch.nn.Module) -> bool:
+    """With tied embeddings the trainer names the shared weight once (the embedding), so the
+    lm_head's own kernel state is checked here: read back, it must equal the embedding."""
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return False
+    vocab = int(embed.org_vocab_size)
+    served = _linear_weight(head, True)[:vocab] + 0
+    return not torch.equal(served.view(torch.uint8), (embed.weight.detach()[:vocab] + 0).contiguous().view(torch.uint8))
+
+
+def _rpc_kv_cache_bytes(worker: Any) -> int:
+    seen, total = set(), 0
+    for t in getattr(worker.model_runner, "kv_caches", None) or []:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _engine_tensors(model: torch.nn.Module, *, materialize: bool, only: Sequence[str] | None = None):
+    """(checkpoint name, tensor) for every weight the engine computes with, named as the
+    trainer's (HF) state dict names them: fused q/k/v and gate/up split back, vocabulary
+    padding cut off. On CPU, vLLM repacks linear weights into kernel handles and frees the
+    originals; those are read back exactly by multiplying the kernel with the identity
+    (fp32: each output is one weight times 1 plus exact zeros). With `materialize=False` the
+    tensors are meta tensors of the right shape (no compute)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    wanted = None if only is None else set(only)
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    for mod_name, mod in model.named_modules():
+        params = dict(mod.named_parameters(recurse=False))
+        if not params:
+            continue
+        prefix = f"{mod_name}." if mod_name else ""
+        leaf = mod_name.rsplit(".", 1)[-1]
+        parent = mod_name[:-len(leaf)]
+        is_vocab = hasattr(mod, "org_vocab_size") and hasattr(mod, "embedding_dim")
+        for pname in params:
+            sizes: list[int] | None = None
+            names = [f"{prefix}{pname}"]
+            if leaf in packed and pname in ("weight", "bias") and hasattr(mod, "output_sizes"):
+                names = [f"{parent}{sub}.{pname}" for sub in packed[leaf]]
+                sizes = [int(s) for s in mod.output_sizes]
+            if wanted is not None and not wanted.intersection(names):
+                continue
+            if pname == "weight" and isinstance(mod, (LinearBase, ParallelLMHead)):
+                full = _linear_weight(mod, materialize)  # what the matmul uses (the embedding: its table)
+            else:
+                full = params[pname].detach() if materialize else params[pname].detach().to("meta")
+            if is_vocab and full.dim() == 2:
+                full = full[:mod.org_vocab_size]
+            if sizes is None:
+                yield names[0], full
+            else:
+                for name, part in zip(names, torch.split(full, sizes, dim=0)):
+                    yield name, part
+
+
+def _linear_weight(mod: torch.nn.Module, materialize: bool, rows_per_probe: int = 1024) -> torch.Tensor:
+    """The (out, in) weight a linear (or lm_head) module computes with."""
+    w = mod.weight
+    if hasattr(mod, "embedding_dim"):  # ParallelLMHead / VocabParallelEmbedding
+        n_out, n_in = int(mod.num_embeddings_per_partition), int(mod.embedding_dim)
+    else:
+        n_out, n_in = int(mod.output_size_per_partition), int(mod.input_size_per_partition)
+    if not materialize:
+        return torch.empty((n_out, n_in), dtype=w.dtype, device="meta")
+    kernel = getattr(mod, "cpu_linear", None)
+    if kernel is None:
+        return w.detach()
+    with torch.no_grad():
+        cols = []
+        for lo in range(0, n_in, rows_per_probe):
+            hi = min(n_in, lo + rows_per_probe)
+            eye = torch.zeros((hi - lo, n_in), dtype=w.dtype)
+            eye[torch.arange(hi - lo), torch.arange(lo, hi)] = 1
+            cols.append(kernel(eye, w, None))  # (hi-lo, n_out) = W[:, lo:hi]^T
+        return torch.cat(cols, dim=0).t().contiguous()
