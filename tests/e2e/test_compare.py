@@ -22,7 +22,7 @@ def test_compare_runs_each_policy_on_the_runtime_and_in_the_simulator(tmp_path, 
 
     out = tmp_path / "cmp"
     code = main(["compare", "--policies", "static:1,hysteresis", "--preset", "cpu", "--devices", "4",
-                 "--rollout-devices", "1", "--steps", "3", "--emulate", "h200:7b", "--time-scale", "2",
+                 "--rollout-devices", "1", "--steps", "3", "--emulate", "h200:7b", "--time-scale", "20",
                  "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4",
                  "--set", "rollout.max_new_tokens=4", "--set", "rollout.length_workload=short-tail",
                  "--set", "train.micro_batch_size=16", "--set", "rollout.engine=hf", "--no-progress", "--out", str(out)])
