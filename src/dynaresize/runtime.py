@@ -288,11 +288,11 @@ class Run:
             prologue, rolled_step = self.rollouts.get(step), step + 1 if rolled else None
         t_end = time.time()
         c = self.timing.clock  # wall -> the run's seconds (emulated ones with cluster.emulate: steptiming.py)
-        train_t0 = min(s["t0"] for s in train_stats)
-        train_s = c.span(train_t0, max(s["t1"] for s in train_stats))
-        train_busy = sum(c.span(s["t0"], s["t1"]) for s in train_stats)
         if self.stream:  # trained in parts as the step's samples arrived (accumulate.py)
             train_s, train_busy, train_tail = self.stream.train_times(step, a.num_train)
+        else:
+            train_s = c.span(min(s["t0"] for s in train_stats), max(s["t1"] for s in train_stats))
+            train_busy = sum(c.span(s["t0"], s["t1"]) for s in train_stats)
         sync_s = c.span(min(s["t0"] for s in sync), max(s["t1"] for s in sync)) if sync else 0.0
         for s in sync:
             self.rec.emit("span", device=s["device"], name="weight_sync", start_s=self.rel(s["t0"]),

@@ -296,11 +296,14 @@ class StreamStageModel:
     shorter: the tail is no floor, only a cost per share. Training: D_train device-seconds + a
     fixed c + the publish. The period (seconds per step) is throughput-bound:
 
-        P(R) = max( D_roll(R) / R,  c + D_train / (N - R) + publish )
+        P(R) = max( D_roll(R) / R,  c + D_train / (N - R) + publish,  window(R) )
 
-    i.e. rollout samples/s per device against training samples/s per device. The window
-    (a step's rollout latency must fit in eta periods) is not modelled: with even shares the
-    simulated period follows this max within a few percent (docs/pipeline.md).
+    i.e. rollout samples/s per device against training samples/s per device, and the window:
+    eta + 1 periods must hold a step's rollout latency (the pool's time per step plus the
+    measured excess X of its longest share) and the training left after its last sample
+    (`train_tail_s`: all of it without accumulation, the last share's and the fixed part with
+    it), `window(R) = (latency(R) + c + D_tail / (N - R) + publish) / (eta + 1)`. shares(R)
+    is counted fluidly, B / (B / replicas).
 
     Each report gives one D_roll curve over all splits; the model keeps the last `window`
     curves (level) and `trend_window` (least-squares trend per split, fitted on the curves
