@@ -7,10 +7,10 @@ runtime", has the numbers. Usage (RUN_DIR prefix /tmp/stale-w/emu-etaN):
         python scripts/staleness_gain.py STEPS ROLLOUT_DEVICES 1,2 [--sim-only]
 """
 import json, sys, time, ray
-from dynaresize.config import build_config, merge
+from dynaresize.config_load import build_config, merge
 from dynaresize.presets import preset
-from dynaresize.runtime import run_job
-from dynaresize.emulate import predict
+from dynaresize.driver.run import run_job
+from dynaresize.emulate.predict import predict
 
 import os
 os.makedirs("/tmp/stale-w", exist_ok=True)

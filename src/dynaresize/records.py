@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import threading
 from pathlib import Path
@@ -39,6 +40,11 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "placement": ("strategy", "nodes"),
     "summary": ("summary",),
 }
+
+
+def safe_name(policy: str) -> str:
+    """A policy's name as a file name: the folder its `records.jsonl` goes to in a comparison."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", policy)
 
 
 def _clean(value: Any) -> Any:

@@ -8,7 +8,7 @@ import json
 import pytest
 import ray
 
-from dynaresize import bench_resize
+from dynaresize.commands import bench_resize
 
 pytestmark = pytest.mark.dist
 

@@ -12,8 +12,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from dynaresize.config import build_config, merge  # noqa: E402
-from dynaresize.emulate import Emulator, run_bounds  # noqa: E402
+from dynaresize.config_load import build_config, merge  # noqa: E402
+from dynaresize.emulate.model import Emulator, run_bounds  # noqa: E402
 from dynaresize.presets import preset  # noqa: E402
 from dynaresize.records import read_records  # noqa: E402
 
@@ -37,7 +37,7 @@ def _config():
 
 @pytest.fixture(scope="module")
 def emulated_run(tmp_path_factory):
-    from dynaresize.runtime import run_job
+    from dynaresize.driver.run import run_job
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:

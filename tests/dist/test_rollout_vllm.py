@@ -130,8 +130,8 @@ class EngineActor:
         return sd
 
     def start(self, perturb: float = 0.0, version: int = 0, **rollout) -> dict:
-        from dynaresize.config import build_config
-        from dynaresize.roles.base import rollout_engine_from_config
+        from dynaresize.config_load import build_config
+        from dynaresize.roles.factory import rollout_engine_from_config
 
         cfg = build_config({"model": {"path": self.model_dir}, "seed": 3,
                             "rollout": {"engine": "vllm", "temperature": TEMPERATURE,
@@ -151,7 +151,7 @@ class EngineActor:
         names a trainer sends (`named_parameters`: the tied weight once, as the embedding)."""
         from dynaresize.config import ModelConfig
         from dynaresize.rl.models import build_model
-        from dynaresize.roles.rollout_vllm import state_dict_digest
+        from dynaresize.roles.vllm_weights import state_dict_digest
 
         sd = self.weights(perturb)
         names = sorted(sd)
@@ -286,7 +286,7 @@ def test_vllm_engine_in_a_worker_with_a_gloo_world(actors):
 
     # max_model_len takes effect: a request past 128 tokens is refused.
     from dynaresize.roles.base import GenRequest
-    from dynaresize.roles.rollout_vllm import STALE_HEAD
+    from dynaresize.roles.vllm_weights import STALE_HEAD
 
     with pytest.raises(ray.exceptions.RayTaskError, match="max_model_len 128"):
         ray.get(a.generate_one.remote(GenRequest((9, 0, 0), [2] * 100, 40, 1)))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dynaresize.config import build_config, merge
+from dynaresize.config_load import build_config, merge
 from dynaresize.presets import preset
 
 COLLECTIVE_S = 5.0
@@ -61,7 +61,7 @@ atexit.register(shutil.rmtree, _TMP, True)
 
 def reference_run(devices: int = 4, rollout_devices: int = 2) -> Path:
     """The uninterrupted run of the job (made once per session; Ray must be up)."""
-    from dynaresize.runtime import run_job
+    from dynaresize.driver.run import run_job
 
     key = (devices, rollout_devices)
     if key not in _REFERENCE:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.dist
 
 
 def test_eval_records_at_their_steps_and_training_unchanged(ray_local, tmp_path):  # noqa: F811
-    from dynaresize.runtime import run_job
+    from dynaresize.driver.run import run_job
 
     out = tmp_path / "run"
     cfg = job_config(eval={"every_steps": 2, "num_prompts": 4, "samples_per_prompt": 4})

@@ -29,7 +29,7 @@ CASES = {
 
 
 def _faulted_run(tmp_path, spec: str) -> tuple[dict, object]:
-    from dynaresize.runtime import run_job
+    from dynaresize.driver.run import run_job
 
     out = tmp_path / "run"
     summary = run_job(job_config(faults=[spec]), out, progress=False)
@@ -78,9 +78,9 @@ def test_stopped_sync_root_is_found_by_the_timeout_and_recovered(ray_local, tmp_
 @pytest.mark.slow
 def test_too_few_devices_left_stops_with_a_consistent_checkpoint(ray_local, tmp_path):
     """2 devices (1 rollout, 1 train): losing one leaves no legal split, so the run stops cleanly."""
-    from dynaresize.checkpointing import load_resume_point
-    from dynaresize.recovery import RunStopped
-    from dynaresize.runtime import run_job
+    from dynaresize.driver.checkpointing import load_resume_point
+    from dynaresize.driver.recovery import RunStopped
+    from dynaresize.driver.run import run_job
 
     out = tmp_path / "run"
     cfg = job_config(cluster__devices=2, cluster__rollout_devices=1, policy__schedule="", policy__name="static",

@@ -23,7 +23,7 @@ import pytest
 
 from _browser import assert_every_figure_renders
 from _runs import job_data, ray_local, records  # noqa: F401
-from dynaresize.report.metrics import eval_scalars, resize_scalars, step_scalars
+from dynaresize.metrics import eval_scalars, resize_scalars, step_scalars
 
 pytestmark = pytest.mark.dist
 

@@ -51,7 +51,7 @@ def _write_run(out: Path, *, evals: bool = True) -> Path:
                 rec.emit("recovery", step=k, lost_devices=[3], recovery_s=0.5, num_devices=3, generation=1)
         rec.emit("summary", summary={"steps": STEPS, "ledger_ok": True, "reward_by_step": [0.1] * STEPS,
                                      "faults_unfired": ["kill:2@resize.reshard:9"]})
-    if evals:  # eval records (dynaresize.evaluation, docs/records.md): appended as raw lines
+    if evals:  # eval records (dynaresize.driver.evaluation, docs/records.md): appended as raw lines
         with open(out / "records.jsonl", "a") as fh:
             for k in (2, 5):
                 fh.write(json.dumps({"kind": "eval", "step": k, "version": k + 1, "reward_mean": 0.1 * k,

@@ -24,7 +24,7 @@ FIRST_STEPS = 2
 
 def _segment(root: Path, devices: int, rollout_devices: int) -> Path:
     """The first part of the job: its first FIRST_STEPS steps, ending with a final checkpoint."""
-    from dynaresize.runtime import run_job
+    from dynaresize.driver.run import run_job
 
     out = root / f"first-{devices}"
     summary = run_job(job_config(steps=FIRST_STEPS, cluster__devices=devices, cluster__rollout_devices=rollout_devices),
@@ -57,8 +57,8 @@ def _digest_tree(root: Path) -> dict[str, str]:
 def _assert_workload_lengths(out: Path) -> None:
     """Synthetic lengths were on: every response has its workload length, keyed by absolute step,
     so resuming a 2-step run with --steps 4 continued the same job as the 4-step run."""
-    from dynaresize.job import Job
-    from dynaresize.ledger import sample_id_str
+    from dynaresize.driver.job import Job
+    from dynaresize.driver.ledger import sample_id_str
 
     job = Job(job_config())
     want = {sample_id_str(r.sample_id): r.forced_length for step in range(4) for g in job.requests(step) for r in g}

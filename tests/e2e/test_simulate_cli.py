@@ -91,7 +91,7 @@ def test_bench_sim_small(tmp_path, capsys):
     assert "wall" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("dynaresize.bench_resize") is not None,
+@pytest.mark.skipif(importlib.util.find_spec("dynaresize.commands.bench_resize") is not None,
                     reason="bench_resize exists; its own tests cover it")
 def test_bench_resize_without_its_module_says_so(capsys):
     assert main(["bench", "resize", "--devices", "2"]) == 1

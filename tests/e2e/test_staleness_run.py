@@ -14,10 +14,10 @@ import pytest
 pytest.importorskip("ray")
 
 from _runs import ray_local  # noqa: F401
-from dynaresize.config import build_config
+from dynaresize.config_load import build_config
 from dynaresize.presets import preset
 from dynaresize.records import read_records
-from dynaresize.runtime import run_job
+from dynaresize.driver.run import run_job
 
 pytestmark = pytest.mark.dist
 

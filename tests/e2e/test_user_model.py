@@ -51,8 +51,8 @@ def test_user_folder_trains_through_resizes_and_exports_tied(user_dir, tmp_path)
 
 
 def test_prompts_use_the_folder_chat_template_and_are_truncated(user_dir):
-    from dynaresize.config import build_config, merge
-    from dynaresize.job import Job
+    from dynaresize.config_load import build_config, merge
+    from dynaresize.driver.job import Job
     from dynaresize.presets import preset
 
     def first_prompt(max_prompt_tokens=64):

@@ -19,9 +19,9 @@ pytestmark = [pytest.mark.dist,
 def vllm_pair(tmp_path_factory):
     import ray
 
-    from dynaresize.config import build_config, merge
+    from dynaresize.config_load import build_config, merge
     from dynaresize.presets import preset
-    from dynaresize.runtime import run_job
+    from dynaresize.driver.run import run_job
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynaresize.accumulate import StepAccumulator
-from dynaresize.job import ScoredStep
+from dynaresize.driver.accumulate import StepAccumulator
+from dynaresize.driver.job import ScoredStep
 from dynaresize.rl import grpo
 
 STEP, PROMPTS, K, MBS = 3, 4, 3, 5

@@ -1,8 +1,7 @@
 import pytest
 
-from dynaresize.config import (
-    RunConfig, apply_overrides, build_config, config_to_dict, load_file, parse_fault, parse_schedule,
-)
+from dynaresize.config import RunConfig, parse_fault, parse_schedule
+from dynaresize.config_load import apply_overrides, build_config, config_to_dict, load_file
 from dynaresize.errors import ConfigError
 
 

@@ -56,7 +56,8 @@ from unittest import mock
 import pytest
 import torch
 
-from dynaresize.config import RunConfig, build_config, merge
+from dynaresize.config import RunConfig
+from dynaresize.config_load import build_config, merge
 from dynaresize.errors import DynaresizeError, UserError
 from dynaresize.presets import preset
 
@@ -68,7 +69,7 @@ TINY = {"model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_he
 
 
 def _paths(cls, prefix=""):
-    from dynaresize.config import field_paths
+    from dynaresize.config_load import field_paths
 
     return field_paths(cls, prefix)
 
@@ -176,7 +177,7 @@ EVAL_BASE = {"eval": {"every_steps": 2}}  # evaluation on: the mode the other ev
 
 def _requests(cfg: RunConfig) -> list:
     """`Job.requests(0)`: prompt ids, max_new_tokens, seeds, forced lengths of step 0."""
-    from dynaresize.job import Job
+    from dynaresize.driver.job import Job
 
     return [[(r.sample_id, tuple(r.prompt_ids), r.max_new_tokens, r.seed, r.forced_length) for r in g]
             for g in Job(cfg).requests(0)]
@@ -184,7 +185,7 @@ def _requests(cfg: RunConfig) -> list:
 
 def _lengths_later(cfg: RunConfig) -> list:
     """The forced lengths of step 5 (a workload's time constants show after step 0)."""
-    from dynaresize.job import Job
+    from dynaresize.driver.job import Job
 
     return [r.forced_length for g in Job(cfg).requests(5) for r in g]
 
@@ -192,8 +193,8 @@ def _lengths_later(cfg: RunConfig) -> list:
 def _scores(cfg: RunConfig) -> Any:
     """`Job.score` of step 0 on fixed responses: rewards (via the ledger), advantages; or the
     error it stops with."""
-    from dynaresize.job import Job
-    from dynaresize.ledger import Ledger
+    from dynaresize.driver.job import Job
+    from dynaresize.driver.ledger import Ledger
     from dynaresize.roles.base import GenResult
 
     job = Job(cfg)
@@ -232,7 +233,7 @@ def _decisions(cfg: RunConfig) -> list:
     measured cost of each move reported after it); its commands, as a trace."""
     from dynaresize.control.controller import decision_fields
     from dynaresize.control.state import Refusal
-    from dynaresize.runtime import Run
+    from dynaresize.driver.run import Run
     from dynaresize.types import ResizePlan, StepReport
 
     run = Run.__new__(Run)
@@ -409,14 +410,14 @@ def _engine_class(cfg: RunConfig) -> str:
 
 
 def _vllm_kwargs(cfg: RunConfig) -> dict:
-    """The `vllm.LLM` arguments `roles.base.rollout_engine_from_config` gives a vLLM engine
+    """The `vllm.LLM` arguments `roles.factory.rollout_engine_from_config` gives a vLLM engine
     (built, not started: no vllm import), for a run whose engine resolved to vllm."""
     from unittest import mock
 
-    from dynaresize.roles import base
+    from dynaresize.roles import base, factory
 
     with mock.patch.object(base, "resolve_engine", lambda c: "vllm"):
-        return base.rollout_engine_from_config(cfg).engine_kwargs()
+        return factory.rollout_engine_from_config(cfg).engine_kwargs()
 
 
 def _release_engine(cfg: RunConfig) -> tuple:
@@ -548,7 +549,7 @@ def _faults(cfg: RunConfig) -> tuple:
 
 def _checkpoints(cfg: RunConfig) -> list:
     """The boundaries `Checkpointer.periodic` saves at over the run (saves recorded)."""
-    from dynaresize.checkpointing import Checkpointer
+    from dynaresize.driver.checkpointing import Checkpointer
 
     saved: list = []
 
@@ -564,7 +565,7 @@ def _checkpoints(cfg: RunConfig) -> list:
 
 def _checkpoint_root(cfg: RunConfig) -> str:
     """Where `Checkpointer` puts the run's checkpoints (`checkpoint.dir`, else RUN_DIR/checkpoint)."""
-    from dynaresize.checkpointing import Checkpointer
+    from dynaresize.driver.checkpointing import Checkpointer
 
     return str(Checkpointer(SimpleNamespace(cfg=cfg, out=Path("/nonexistent-run-dir"))).root)
 
@@ -572,8 +573,8 @@ def _checkpoint_root(cfg: RunConfig) -> str:
 def _eval(cfg: RunConfig) -> tuple:
     """`Evaluator`: the steps it evaluates after, its requests, and its `eval` record for fixed
     responses (per prompt: one sample all of the prompt's letter, the others a third of it)."""
-    from dynaresize.evaluation import Evaluator
-    from dynaresize.job import Job
+    from dynaresize.driver.evaluation import Evaluator
+    from dynaresize.driver.job import Job
     from dynaresize.rl.models import pseudo_words
     from dynaresize.roles.base import GenResult
 
@@ -615,8 +616,8 @@ def _sinks(cfg: RunConfig) -> list:
 def _staleness(cfg: RunConfig) -> tuple:
     """The weights version generating each step (`rollout_version`, as the runtime calls it)
     and the ledger's verdict (`Ledger(staleness=...)`) on a sample of step 1 made by version 0."""
-    from dynaresize.ledger import Ledger
-    from dynaresize.stepstate import rollout_version
+    from dynaresize.driver.ledger import Ledger
+    from dynaresize.pipeline.stepstate import rollout_version
 
     ledger = Ledger(staleness=cfg.train.staleness)
     ledger.expect(1, [(1, 0, 0)])
@@ -678,7 +679,7 @@ def _paced_wall_s(cfg: RunConfig) -> tuple:
 
 
 def _job(cfg: RunConfig) -> Any:
-    from dynaresize.job import Job
+    from dynaresize.driver.job import Job
 
     return Job(cfg)
 
@@ -909,7 +910,7 @@ def test_the_runtimes_hysteresis_models_its_own_pipeline(staleness):
     """train.staleness >= 2: the runtime's hysteresis fits the streaming throughput model (a
     step's rollout latency is no stage time there); 0 and 1 keep the one-step-off model."""
     from dynaresize.policy.model import OnlineStageModel, StreamStageModel
-    from dynaresize.runtime import Run
+    from dynaresize.driver.run import Run
 
     run = Run.__new__(Run)
     run.cfg = build_config(merge(preset("cpu"), {"train": {"staleness": staleness}, "policy": {"name": "hysteresis"}}))

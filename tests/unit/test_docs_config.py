@@ -8,7 +8,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def _paths(cls, prefix=""):
-    from dynaresize.config import field_paths
+    from dynaresize.config_load import field_paths
 
     return field_paths(cls, prefix)
 

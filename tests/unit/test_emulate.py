@@ -7,15 +7,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dynaresize.config import PolicyConfig, build_config, merge
-from dynaresize.emulate import (DEFAULT_TIME_SCALE, Emulator, Target, covered_s, emulated_bounds, parse, predict,
-                                run_bounds, start_split, time_scale_of)
+from dynaresize.config import PolicyConfig
+from dynaresize.config_load import build_config, merge
+from dynaresize.emulate.model import (DEFAULT_TIME_SCALE, Emulator, Target, covered_s, emulated_bounds, parse,
+                                      run_bounds, time_scale_of)
+from dynaresize.emulate.predict import predict, start_split
 from dynaresize.errors import ConfigError
 from dynaresize.presets import preset
-from dynaresize.sim import costs
-from dynaresize.sim.stages import Batch, StageModel
+from dynaresize.costmodel import costs
+from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.workload import get_workload, sample_lengths
-from dynaresize.steptiming import EmulatedClock
+from dynaresize.emulate.clock import EmulatedClock
 
 
 def _emu(target="h100:7b", workload="longtail-drift", prompts=8, samples=4, steps=10, seed=3):
@@ -205,7 +207,7 @@ def test_prediction_runs_the_runtimes_policy_from_the_runtimes_split():
 def test_streaming_prediction_is_the_runtimes_pipeline():
     """train.staleness >= 2: predict and best_static run the streaming engine as the runtime runs
     it (trainers accumulating as a step's samples arrive, one share per engine at a time)."""
-    from dynaresize.emulate import best_static
+    from dynaresize.emulate.predict import best_static
     from dynaresize.policy.baselines import Planned
     from dynaresize.sim.stream import run_stream
 

@@ -11,7 +11,7 @@ import pytest
 from dynaresize.cluster.faults import FaultInjector, parse_faults
 from dynaresize.cluster.snapshot import Snapshot
 from dynaresize.errors import ConfigError
-from dynaresize.stepstate import StepRollout, rollout_version
+from dynaresize.pipeline.stepstate import StepRollout, rollout_version
 
 
 def test_parse_faults_lists_every_bad_spec():
@@ -84,7 +84,7 @@ def test_step_rollout_gathers_attempts():
 
 
 def test_resume_rolls_back_samples_consumed_after_the_checkpoint(tmp_path):
-    from dynaresize.checkpointing import ResumePoint, end_partial_line, resume_records
+    from dynaresize.driver.checkpointing import ResumePoint, end_partial_line, resume_records
     from dynaresize.records import Recorder
 
     path = tmp_path / "records.jsonl"

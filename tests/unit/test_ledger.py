@@ -1,4 +1,4 @@
-from dynaresize.ledger import Ledger, sample_record, token_sha1
+from dynaresize.driver.ledger import Ledger, sample_record, token_sha1
 
 
 def _gen(ledger, sid, version=0, seed=1):

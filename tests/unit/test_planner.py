@@ -4,7 +4,7 @@ import pytest
 
 from dynaresize.control import planner
 from dynaresize.control.planner import OP_NAMES, choose_moving, plan_resize
-from dynaresize.sim.costs import get_model, op_cost
+from dynaresize.costmodel.costs import get_model, op_cost
 from dynaresize.types import ROLLOUT, TRAIN, Assignment
 
 
@@ -65,7 +65,7 @@ def test_every_planned_op_has_a_handler_and_a_cost_and_nothing_else():
     """The planner's op names, the runtime's op registry and the simulator's cost table are the
     same set, both directions; and every op of a plan each way is handled."""
     from dynaresize.cluster.resize_ops import HANDLERS, op_order
-    from dynaresize.sim.costs import OP_COSTS
+    from dynaresize.costmodel.costs import OP_COSTS
 
     assert set(HANDLERS) == set(planner.OP_NAMES) == set(OP_COSTS)
     src = Assignment.split(4, 2)

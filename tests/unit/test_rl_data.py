@@ -94,8 +94,8 @@ def test_synthetic_lengths_keyed_by_absolute_step_and_trace_files(tmp_path):
     more steps continues the same job), and a trace file drives them by its `step` values."""
     import json
 
-    from dynaresize.config import build_config
-    from dynaresize.job import Job
+    from dynaresize.config_load import build_config
+    from dynaresize.driver.job import Job
 
     def forced(steps, workload="longtail-drift", step=5):
         cfg = build_config({"steps": steps, "rollout": {"synthetic_lengths": True, "length_workload": workload,

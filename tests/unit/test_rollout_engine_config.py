@@ -10,9 +10,9 @@ import importlib.util
 import pytest
 
 from dynaresize.cli import main
-from dynaresize.config import build_config, config_to_dict
+from dynaresize.config_load import build_config, config_to_dict
 from dynaresize.errors import ConfigError, UserError
-from dynaresize.roles import base
+from dynaresize.roles import base, factory
 
 
 @pytest.fixture
@@ -149,13 +149,13 @@ def test_vllm_settings_reach_the_engine_arguments(have_vllm):
     cfg = build_config({"seed": 7, "rollout": {"engine": "vllm", "vllm_max_num_seqs": 5,
                                                "vllm_max_model_len": 300, "vllm_kv_cache_bytes": 3 << 20,
                                                "temperature": 0.5}})
-    eng = base.rollout_engine_from_config(cfg)
+    eng = factory.rollout_engine_from_config(cfg)
     assert isinstance(eng, VLLMRolloutEngine) and not eng.loaded
     kw = eng.engine_kwargs()
     assert (kw["max_num_seqs"], kw["max_model_len"], kw["kv_cache_memory_bytes"]) == (5, 300, 3 << 20)
     assert (kw["seed"], kw["enable_prefix_caching"], eng.temperature) == (7, True, 0.5)
     assert kw["enable_chunked_prefill"] is False and kw["logprobs_mode"] == "processed_logprobs"
-    auto_sized = base.rollout_engine_from_config(build_config({"rollout": {
+    auto_sized = factory.rollout_engine_from_config(build_config({"rollout": {
         "engine": "vllm", "vllm_max_model_len": 0, "vllm_kv_cache_bytes": 0}}))
     assert "max_model_len" not in auto_sized.engine_kwargs()  # the model's own limit
     assert "kv_cache_memory_bytes" not in auto_sized.engine_kwargs()  # vLLM sizes it
@@ -165,7 +165,7 @@ def test_hf_engine_from_config(no_vllm):
     pytest.importorskip("torch")
     from dynaresize.roles.rollout_hf import HFRolloutEngine
 
-    eng = base.rollout_engine_from_config(_cfg(engine="auto", batch_rows=8))
+    eng = factory.rollout_engine_from_config(_cfg(engine="auto", batch_rows=8))
     assert isinstance(eng, HFRolloutEngine) and eng.batch_rows == 8
 
 

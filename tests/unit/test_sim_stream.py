@@ -13,7 +13,7 @@ from dynaresize.policy.baselines import Planned, Scripted
 from dynaresize.records import Recorder
 from dynaresize.sim.engine import run_policy
 from dynaresize.sim.oracle import stream_best_static, stream_lower_bound
-from dynaresize.sim.scenarios import workload_scenario
+from dynaresize.costmodel.scenarios import workload_scenario
 from dynaresize.sim.shell import simulate
 from dynaresize.sim.stream import StreamEngine, rollout_version, run_stream
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dynaresize.errors import TraceError
-from dynaresize.sim.trace import DEFAULT_PROMPT_TOKENS, load_trace, parse_trace_lines, write_trace
+from dynaresize.workload.trace import DEFAULT_PROMPT_TOKENS, load_trace, parse_trace_lines, write_trace
 
 
 def test_valid_trace_with_and_without_prompt_tokens(tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dynaresize.errors import ConfigError, TraceError
-from dynaresize.sim.scenarios import workload_scenario
+from dynaresize.costmodel.scenarios import workload_scenario
 from dynaresize.workload import WORKLOADS, get_workload, lengths_for_step, sample_lengths, sample_lengths_array
 
 
@@ -118,8 +118,8 @@ def test_a_horizon_compresses_a_workloads_time_constants_and_nothing_else(tmp_pa
 
 
 def test_the_emulator_and_the_simulator_share_the_horizon():
-    from dynaresize.config import build_config, merge
-    from dynaresize.emulate import Emulator
+    from dynaresize.config_load import build_config, merge
+    from dynaresize.emulate.model import Emulator
     from dynaresize.presets import preset
     from dynaresize.workload import batch_for_step
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from dynaresize.stepstate import rollout_version
-from dynaresize.streamplan import StreamQueue, released_through
+from dynaresize.pipeline.stepstate import rollout_version
+from dynaresize.pipeline.streamplan import StreamQueue, released_through
 
 
 def test_release_rule_is_the_versions_that_exist():

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from dynaresize.config import build_config
+from dynaresize.config_load import build_config
 from dynaresize.errors import ConfigError
 from dynaresize.records import Recorder, read_records
-from dynaresize.report.metrics import RESIZE_SCALARS, STEP_SCALARS, TRAIN_FIELDS, resize_scalars, step_scalars
+from dynaresize.metrics import RESIZE_SCALARS, STEP_SCALARS, TRAIN_FIELDS, resize_scalars, step_scalars
 from dynaresize.tracking import check_backends, open_sinks
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "records.md"

@@ -33,7 +33,7 @@ from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import rank_sets_for_split
 from dynaresize.config import RunConfig
 from dynaresize.control import planner
-from dynaresize.emulate import run_bounds
+from dynaresize.emulate.model import run_bounds
 from dynaresize.roles.base import GenRequest
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan
 

@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import ray
 
-from dynaresize.emulate import Emulator, time_scale_of
-from dynaresize.steptiming import EmulatedClock
+from dynaresize.emulate.model import Emulator, time_scale_of
+from dynaresize.emulate.clock import EmulatedClock
 
 
 def pace(result: Any, start: float, emulated_s: float, time_scale: float, *,

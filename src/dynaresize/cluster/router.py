@@ -26,8 +26,8 @@ from typing import Any, Callable
 import ray
 
 from dynaresize.cluster.watchdog import DevicesLost
-from dynaresize.stepstate import StepRollout
-from dynaresize.streamplan import StreamQueue
+from dynaresize.pipeline.stepstate import StepRollout
+from dynaresize.pipeline.streamplan import StreamQueue
 from dynaresize.types import ROLLOUT
 
 WAKE_S = 0.02  # how often a pump looks at its stop condition while calls run

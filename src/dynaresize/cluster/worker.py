@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import ray
 import torch
@@ -41,11 +41,13 @@ from dynaresize.cluster.worker_recovery import RecoveryMixin
 from dynaresize.cluster.worker_train import TrainStageMixin
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import CommPool
-from dynaresize.config import RunConfig, build_config
+from dynaresize.config import RunConfig
+from dynaresize.config_load import build_config
 from dynaresize.reshard.execute import NO_STATS
 from dynaresize.reshard.layout import RowChunkLayout
 from dynaresize.rl.models import build_model
-from dynaresize.roles.base import GenRequest, resolve_engine, rollout_engine_from_config
+from dynaresize.roles.base import GenRequest, resolve_engine
+from dynaresize.roles.factory import rollout_engine_from_config
 from dynaresize.roles.train_fsdp import MOMENT_KINDS, REF_KIND, FSDPTrainer, TrainerSpec, move_state
 from dynaresize.roles.weight_sync import receive_weights, send_weights
 
@@ -412,7 +414,7 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin):
 def worker_config(cfg: RunConfig) -> dict:
     """The config dict a device worker is built from: the run's, with `rollout.engine = auto`
     resolved once on the driver (it looks at the host), so every device runs the same engine."""
-    from dynaresize.config import config_to_dict
+    from dynaresize.config_load import config_to_dict
 
     out = config_to_dict(cfg)
     out["rollout"]["engine"] = resolve_engine(cfg)

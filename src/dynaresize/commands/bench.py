@@ -3,7 +3,7 @@
 - `bench sim`: wall time of one policy simulated on a large cluster (default 1,024 devices x
   1,000 steps of longtail-drift, hysteresis). Writes DIR/bench_sim.json when --out is given.
 - `bench resize`: measured resize costs on real workers; implemented in
-  `dynaresize.bench_resize` (imported only when asked for).
+  `dynaresize.commands.bench_resize` (imported only when asked for).
 """
 
 from __future__ import annotations
@@ -44,21 +44,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.action == "sim":
         return bench_sim(args)
-    if importlib.util.find_spec("dynaresize.bench_resize") is None:
-        print("dynaresize bench resize: not available in this build (module dynaresize.bench_resize is missing)",
+    if importlib.util.find_spec("dynaresize.commands.bench_resize") is None:
+        print("dynaresize bench resize: not available in this build (module dynaresize.commands.bench_resize is missing)",
               file=sys.stderr)
         return 1
-    return int(importlib.import_module("dynaresize.bench_resize").main(args) or 0)
+    return int(importlib.import_module("dynaresize.commands.bench_resize").main(args) or 0)
 
 
 def bench_sim(args: argparse.Namespace) -> int:
-    from dynaresize.sim.scenarios import workload_scenario
+    from dynaresize.costmodel.scenarios import workload_scenario
     from dynaresize.sim.shell import simulate
 
     t0 = time.perf_counter()
     scenario = workload_scenario(args.workload, num_devices=args.devices, num_steps=args.steps, model=args.model,
                                  seed=args.seed)
-    doc = simulate(scenario, [args.policy], out_dir=args.out, progress=False, write_plots=False)
+    doc = simulate(scenario, [args.policy], out_dir=args.out, progress=False)
     wall_s = time.perf_counter() - t0
     r = doc["results"][0]
     result = {"benchmark": "sim", "policy": args.policy, "workload": args.workload, "devices": args.devices,

@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def job_configs(args: argparse.Namespace) -> dict:
     """{policy: RunConfig} of the job, one per policy (ConfigError when a policy or flag is bad)."""
     from dynaresize.commands.run import resolve_config
-    from dynaresize.config import build_config, config_to_dict
+    from dynaresize.config_load import build_config, config_to_dict
     from dynaresize.errors import ConfigError
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -75,7 +75,7 @@ def job_configs(args: argparse.Namespace) -> dict:
         data = config_to_dict(base)
         data["policy"]["name"] = name
         out[name] = build_config(data)
-    from dynaresize.emulate import run_bounds
+    from dynaresize.emulate.model import run_bounds
     from dynaresize.policy.base import make_policy
 
     for cfg in out.values():  # a simulator-only policy (lend, oracle) is refused before anything runs
@@ -84,11 +84,11 @@ def job_configs(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dynaresize.config import config_to_dict
-    from dynaresize.emulate import predict
+    from dynaresize.config_load import config_to_dict
+    from dynaresize.emulate.predict import predict
     from dynaresize.records import Recorder, read_records
-    from dynaresize.runtime import run_job
-    from dynaresize.sim.shell import safe_name
+    from dynaresize.driver.run import run_job
+    from dynaresize.records import safe_name
 
     configs = job_configs(args)
     out = Path(args.out)

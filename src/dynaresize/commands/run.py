@@ -22,8 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from dynaresize.config import apply_overrides, build_config, load_file, merge
-from dynaresize.emulate import UNPACED
+from dynaresize.config_load import apply_overrides, build_config, load_file, merge
+from dynaresize.emulate.model import UNPACED
 from dynaresize.presets import PRESETS, preset
 
 
@@ -113,11 +113,11 @@ def _check_faults(cfg) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from dynaresize.errors import RewardError, UserError
-    from dynaresize.recovery import RunStopped
+    from dynaresize.driver.recovery import RunStopped
 
     point = None
     if getattr(args, "resume", None):
-        from dynaresize.checkpointing import load_resume_point
+        from dynaresize.driver.checkpointing import load_resume_point
 
         for flag in ("config", "seed"):
             if getattr(args, flag, None):
@@ -134,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
     _check_faults(cfg)
     if cfg.cluster.emulate:
         print(emulation_banner(cfg), flush=True)
-    from dynaresize.runtime import run_job
+    from dynaresize.driver.run import run_job
 
     try:
         summary = run_job(cfg, out, progress=not args.no_progress, resume=point)
@@ -189,7 +189,7 @@ def format_summary(s: dict, out: str) -> str:
 
 
 def emulation_banner(cfg) -> str:
-    from dynaresize.emulate import time_scale_of
+    from dynaresize.emulate.model import time_scale_of
 
     return (f"dynaresize: emulated timing: every device paces its real work to a {cfg.cluster.emulate} "
             f"(accelerator:model) at {time_scale_of(cfg.cluster):g} emulated seconds per wall second; times "
@@ -199,7 +199,7 @@ def emulation_banner(cfg) -> str:
 def format_prediction(cfg, s: dict) -> str:
     """The run's throughput beside the simulator's prediction, for the same job, of the static
     split it started from and of its own policy (emulated runs)."""
-    from dynaresize.emulate import best_static, predict, start_split
+    from dynaresize.emulate.predict import best_static, predict, start_split
 
     start = start_split(cfg)
     static = predict(cfg, f"static:{start}")

@@ -13,9 +13,9 @@ from dynaresize.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from dynaresize.sim.costs import MODEL_PRESETS
+    from dynaresize.costmodel.costs import MODEL_PRESETS
     from dynaresize.sim.shell import DEFAULT_POLICIES, STREAM_DEFAULT_POLICIES
-    from dynaresize.sim.workload import WORKLOADS
+    from dynaresize.workload.lengths import WORKLOADS
 
     p = sub.add_parser("simulate", help="simulate policies on a workload or trace at cluster scale",
                        description="Run the controller and policies on a modelled workload (or a trace) "
@@ -56,7 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def policy_config(overrides: list[str]):
-    from dynaresize.config import PolicyConfig, apply_overrides, build_config
+    from dynaresize.config import PolicyConfig
+    from dynaresize.config_load import apply_overrides, build_config
 
     data = apply_overrides({}, overrides)
     bad = [k for k in data if k != "policy"]
@@ -66,9 +67,10 @@ def policy_config(overrides: list[str]):
 
 
 def main(args: argparse.Namespace) -> int:
-    from dynaresize.sim.scenarios import trace_scenario, workload_scenario
+    from dynaresize.costmodel.scenarios import trace_scenario, workload_scenario
+    from dynaresize.report.sim_figures import write_sim_figures
     from dynaresize.sim.shell import check_pipeline, default_policies, format_table, simulate
-    from dynaresize.sim.trace import load_trace
+    from dynaresize.workload.trace import load_trace
 
     cfg = policy_config(args.overrides)
     check_pipeline(args.staleness, args.partial, args.accumulate, args.admit)
@@ -93,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
     progress = not args.quiet and sys.stderr.isatty()
     doc = simulate(scenario, policies, cfg, staleness=args.staleness, partial=args.partial,
                    accumulate=args.accumulate, admit=args.admit, out_dir=args.out,
-                   progress=progress, write_plots=not args.no_plots)
+                   progress=progress, figures=None if args.no_plots else write_sim_figures)
     print(format_table(doc))
     print(f"wrote {args.out}/summary.json, one records.jsonl per policy"
           + ("" if args.no_plots else ", allocation.png, throughput.png"))

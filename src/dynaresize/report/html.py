@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from dynaresize.report import run_figures as rf
 from dynaresize.report.load import RunRecords, load_runs
-from dynaresize.report.metrics import number, split_text, step_scalars
+from dynaresize.metrics import number, split_text, step_scalars
 from dynaresize.report.mpl import figure_data_uri, file_data_uri
 
 MAX_GANTT = 12  # per run; a simulation's policies get SIM_GANTT each

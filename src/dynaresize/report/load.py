@@ -79,7 +79,7 @@ def load_runs(run_dir: str | Path) -> tuple[list[RunRecords], dict | None]:
     if doc is None:
         raise UserError(f"{root}: not a run directory (no records.jsonl) nor a simulation directory "
                         "(no summary.json with results)")
-    from dynaresize.sim.shell import safe_name
+    from dynaresize.records import safe_name
 
     runs = []
     for result in doc["results"]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynaresize.report.metrics import eval_scalars, number, step_scalars
+from dynaresize.metrics import eval_scalars, number, step_scalars
 from dynaresize.report.mpl import pyplot
 from dynaresize.report.timeline import COLORS
 

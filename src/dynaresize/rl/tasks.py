@@ -9,7 +9,7 @@ non-zero from the first step. `toy-count` names one letter ("b"); `toy-count:bk`
 letter of each prompt from "b" and "k", which makes the model learn to read the prompt and
 takes longer (docs/tasks.md has measured curves).
 
-Held-out prompts (evaluation, dynaresize.evaluation): the toy task also has a test split,
+Held-out prompts (evaluation, dynaresize.driver.evaluation): the toy task also has a test split,
 `toy_held_out_prompts`, drawn from another fixed seed and disjoint from the training prompts by
 text, so training never samples a held-out prompt and the training prompt list (hence every
 training sample) is the same whether a run evaluates or not.

@@ -10,7 +10,7 @@ Invariants:
   the model again. `loaded` says which of the two states the engine is in.
 
 Engines (docs/rollout.md): `vllm` (roles/rollout_vllm.py) and `hf` (roles/rollout_hf.py),
-chosen by `rollout.engine` through `resolve_engine` and built by `rollout_engine_from_config`;
+chosen by `rollout.engine` through `resolve_engine` and built by `roles.factory.rollout_engine_from_config`;
 both import lazily, so choosing one never imports the other's dependencies.
 """
 
@@ -178,20 +178,3 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def rollout_engine_from_config(cfg: Any, **kwargs: Any) -> RolloutEngine:
-    """The rollout engine of run config `cfg` (`resolve_engine`), built from its settings.
-    `kwargs` go to the chosen engine's constructor (for example `device` for hf)."""
-    name = resolve_engine(cfg)
-    r = cfg.rollout
-    if name == "vllm":
-        from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
-
-        options = dict(max_num_seqs=r.vllm_max_num_seqs, max_model_len=r.vllm_max_model_len,
-                       kv_cache_bytes=r.vllm_kv_cache_bytes, seed=cfg.seed,
-                       prefix_caching=not cfg.deterministic)
-        return VLLMRolloutEngine(cfg.model, r.temperature, **{**options, **kwargs})
-    from dynaresize.roles.rollout_hf import HFRolloutEngine
-
-    return HFRolloutEngine(cfg.model, r.temperature, **{"batch_rows": r.batch_rows, **kwargs})

@@ -45,8 +45,8 @@ import torch
 
 from dynaresize.config import ModelConfig
 from dynaresize.roles.base import GenRequest, GenResult, vllm_model_problem
-from dynaresize.roles.vllm_weights import (STALE_HEAD, _rpc_digest, _rpc_kv_cache_bytes, _rpc_redispatch_tied_head,
-                                           _rpc_reload, _rpc_weight_shapes, state_dict_digest, weight_chunks)
+from dynaresize.roles.vllm_weights import (_rpc_digest, _rpc_kv_cache_bytes, _rpc_redispatch_tied_head, _rpc_reload,
+                                           _rpc_weight_shapes, weight_chunks)
 
 # Set for the engine's creation: in-process engine core (no subprocess), no usage reporting.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}

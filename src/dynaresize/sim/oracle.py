@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynaresize.sim.costs import publish_s
+from dynaresize.costmodel.costs import publish_s
 from dynaresize.sim.resize import canonical_timing
-from dynaresize.sim.stages import StageModel
+from dynaresize.costmodel.stages import StageModel
 from dynaresize.types import Bounds
 
 MAX_SPLITS = 64

@@ -25,7 +25,7 @@ from functools import lru_cache
 import numpy as np
 
 from dynaresize.control.planner import MOVE_OPTIMIZER_SHARDS, RECEIVE_OPTIMIZER_SHARDS, device_ops
-from dynaresize.sim.costs import Hardware, ModelPreset, op_cost
+from dynaresize.costmodel.costs import Hardware, ModelPreset, op_cost
 from dynaresize.types import ROLLOUT, TRAIN, ResizePlan
 
 MIGRATE_S = 1.0  # re-prefill of migrated requests (docs/references.md 3.4: RollPacker migration <= 3 s)

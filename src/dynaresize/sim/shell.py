@@ -23,13 +23,13 @@ from dynaresize.config import PolicyConfig
 from dynaresize.errors import ConfigError
 from dynaresize.policy.base import make_policy
 from dynaresize.policy.baselines import Planned
-from dynaresize.records import Recorder
-from dynaresize.sim.costs import naive_resize_cost
+from dynaresize.records import Recorder, safe_name
+from dynaresize.costmodel.costs import naive_resize_cost
 from dynaresize.sim.engine import PolicyResult, run_policy
 from dynaresize.sim.oracle import (best_static, build_table, grid, oracle_plan, pilot_split, stream_best_static,
                                    stream_pilot_split)
 from dynaresize.sim.resize import canonical_timing
-from dynaresize.sim.scenarios import Scenario
+from dynaresize.costmodel.scenarios import Scenario
 from dynaresize.sim.stream import run_stream
 
 DEFAULT_POLICIES = ("static-profiled", "best-static", "hysteresis", "greedy", "lend", "oracle")
@@ -75,10 +75,6 @@ def check_pipeline(staleness: int, partial: bool, accumulate: bool = True, admit
         raise ConfigError(errors)
 
 
-def safe_name(policy: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", policy)
-
-
 def resize_cost_table(scenario: Scenario, bounds, pilot: int) -> dict:
     """Predicted critical and total seconds of one move-unit resize each way next to the pilot
     split, for the optimized op graph and for the naive path (tear down, new world, reload)."""
@@ -98,7 +94,8 @@ def resize_cost_table(scenario: Scenario, bounds, pilot: int) -> dict:
 def simulate(scenario: Scenario, policies: list[str], cfg: PolicyConfig = PolicyConfig(), *,
              staleness: int = 1, partial: bool = False, accumulate: bool = True, admit: bool = True,
              out_dir: str | Path | None = None, progress: bool = False,
-             write_plots: bool = True, on_progress: Callable[[int], None] | None = None) -> dict:
+             figures: Callable[[dict, dict, Path], list] | None = None,
+             on_progress: Callable[[int], None] | None = None) -> dict:
     """Run every policy on the scenario; returns the summary (also written to out_dir).
     `accumulate` and `admit` switch the streaming pipeline's two overlaps (`sim.stream`)."""
     check_pipeline(staleness, partial, accumulate, admit)
@@ -169,10 +166,8 @@ def simulate(scenario: Scenario, policies: list[str], cfg: PolicyConfig = Policy
         doc["best_static_staleness_1"] = reference  # same workload and devices, one-step-off
     if out is not None:
         (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
-        if write_plots:
-            from dynaresize.report.sim_figures import write_sim_figures
-
-            doc["plots"] = [str(p) for p in write_sim_figures(runs, doc, out)]
+        if figures is not None:  # e.g. report.sim_figures.write_sim_figures (the command picks it)
+            doc["plots"] = [str(p) for p in figures(runs, doc, out)]
     return doc
 
 

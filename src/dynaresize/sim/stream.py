@@ -72,10 +72,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dynaresize.control.controller import Controller, decision_fields
-from dynaresize.sim.costs import publish_s
+from dynaresize.costmodel.costs import publish_s
 from dynaresize.sim.engine import PolicyResult, _Null
-from dynaresize.sim.scenarios import Scenario
-from dynaresize.sim.stages import StageModel
+from dynaresize.costmodel.scenarios import Scenario
+from dynaresize.costmodel.stages import StageModel
 from dynaresize.sim.stream_report import StreamAccounting
 from dynaresize.sim.stream_resize import StreamResizes, _Drain
 from dynaresize.types import Assignment, Bounds

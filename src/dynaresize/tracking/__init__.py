@@ -2,10 +2,10 @@
 
 Config `logging.backends` names them (`jsonl`, the run's `records.jsonl`, is always on). Each is
 a `Sink` the `Recorder` hands every record it emits; `TrackerSink` maps records to what a
-tracker shows, the same way for every backend:
+tracker shows, the same way for every backend (`tracking/base.py`):
 
 - `config` -> the tracker's run config / params;
-- `step` -> scalars at x = step (names: `report.metrics.STEP_SCALARS`, docs/records.md);
+- `step` -> scalars at x = step (names: `metrics.STEP_SCALARS`, docs/records.md);
 - `resize` -> scalars `resize/critical_s`, `resize/total_s` at the resize's step, and a text
   line (TensorBoard text panel, MLflow tag `resize.<id>`, W&B `events` table);
 - `fault`, `recovery` -> text lines; `eval` -> `eval/<field>` scalars;
@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from abc import ABC, abstractmethod
 from pathlib import Path
 
 from dynaresize.errors import ConfigError
 from dynaresize.records import Sink
-from dynaresize.report.metrics import event_text, eval_scalars, number, resize_scalars, resize_text, step_scalars
 
 # backend -> (module that must be importable, pip extra that installs it)
 REQUIREMENTS: dict[str, tuple[str, str]] = {
@@ -35,48 +33,6 @@ REQUIREMENTS: dict[str, tuple[str, str]] = {
     "mlflow": ("mlflow", "mlflow"),
     "wandb": ("wandb", "wandb"),
 }
-
-
-class TrackerSink(ABC):
-    """Maps records to a tracker's four operations; a backend implements the four hooks."""
-
-    def write(self, record: dict) -> None:
-        kind = record["kind"]
-        if kind == "config":
-            self.log_config(record["config"])
-        elif kind == "step":
-            self.log_scalars(int(record["step"]), step_scalars(record))
-        elif kind == "resize":
-            self.log_scalars(int(record["step"]), resize_scalars(record))
-            self.log_text(int(record["step"]), f"resize.{record['resize_id']}", resize_text(record))
-        elif kind == "eval":
-            self.log_scalars(int(record["step"]), eval_scalars(record))
-        elif kind in ("fault", "recovery"):
-            tag = f"{kind}.step{record['step']}." + (f"device{record['device']}" if kind == "fault"
-                                                     else f"gen{record.get('generation', 0)}")
-            self.log_text(int(record["step"]), tag, event_text(record))
-        elif kind == "summary":
-            self.log_summary(record["summary"])
-
-    @abstractmethod
-    def log_config(self, config: dict) -> None: ...
-
-    @abstractmethod
-    def log_scalars(self, step: int, values: dict[str, float]) -> None: ...
-
-    @abstractmethod
-    def log_text(self, step: int, tag: str, text: str) -> None: ...
-
-    @abstractmethod
-    def log_summary(self, summary: dict) -> None: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-
-def summary_scalars(summary: dict) -> dict[str, float]:
-    """The numeric top-level fields of a run summary, as `summary/<field>`."""
-    return {f"summary/{k}": v for k, val in summary.items() if (v := number(val)) is not None}
 
 
 def check_backends(backends: tuple[str, ...] | list[str]) -> None:

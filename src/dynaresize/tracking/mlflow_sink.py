@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from dynaresize.tracking import TrackerSink, summary_scalars
+from dynaresize.tracking.base import TrackerSink, summary_scalars
 
 EXPERIMENT = "dynaresize"
 MAX_PARAM_CHARS = 500  # the smallest limit of MLflow versions in use

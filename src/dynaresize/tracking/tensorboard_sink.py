@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dynaresize.tracking import TrackerSink, summary_scalars
+from dynaresize.tracking.base import TrackerSink, summary_scalars
 
 
 class TensorBoardSink(TrackerSink):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dynaresize.tracking import TrackerSink, summary_scalars
+from dynaresize.tracking.base import TrackerSink, summary_scalars
 
 PROJECT = "dynaresize"
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dynaresize.job import ScoredStep
+from dynaresize.driver.job import ScoredStep
 from dynaresize.rl import grpo
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from dynaresize.sim.costs import Hardware, ModelPreset, rollout_constants, sync_s, train_device_s
+from dynaresize.costmodel.costs import Hardware, ModelPreset, rollout_constants, sync_s, train_device_s
 from dynaresize.workload.trace import Batch  # noqa: F401  (re-exported: sim callers build batches)
 
 

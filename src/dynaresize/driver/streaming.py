@@ -34,10 +34,10 @@ import threading
 import time
 from typing import Any
 
-from dynaresize.accumulate import StepAccumulator
+from dynaresize.driver.accumulate import StepAccumulator
 from dynaresize.cluster.router import WAKE_S, StreamRouter
-from dynaresize.stepstate import StepRollout, Window
-from dynaresize.streamplan import released_through
+from dynaresize.pipeline.stepstate import StepRollout, Window
+from dynaresize.pipeline.streamplan import released_through
 from dynaresize.types import ROLLOUT, ResizePlan
 
 

@@ -7,7 +7,7 @@ for that work on the named accelerator and model (cluster/pacing.py), scaled by
 independent accelerators while they sleep most of the time, and moving a device between pools
 changes the compute each pool has, as it does on a GPU cluster.
 
-Every duration comes from the simulator's own functions, so the simulator and the emulated
+Every duration comes from the cost model's functions that the simulator uses, so the simulator and the emulated
 runtime share one cost model and can be checked against each other (`dynaresize compare`):
 - rollout: the rollout devices are the simulator's continuous-batching replicas
   (`sim.stages.StageModel.replica_detail`): sample i of the step (prompt-major order) goes to
@@ -23,8 +23,8 @@ runtime share one cost model and can be checked against each other (`dynaresize 
 Bounds follow the simulator's rule (`Scenario.bounds`): a rollout replica is the move unit and
 the training state's memory floor is the least number of training devices.
 
-Pure: no Ray, torch, I/O or clock. Config objects are read duck-typed (this module is imported
-by `config` to check them).
+Pure: no Ray, torch, I/O or clock, and no simulator: the cluster imports this module, so it
+reads only the cost models (`costmodel`). Config objects are read duck-typed.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from dynaresize.errors import ConfigError
-from dynaresize.sim.costs import HARDWARE_PRESETS, MODEL_PRESETS, get_hardware, get_model, op_cost
-from dynaresize.sim.stages import Batch, StageModel
+from dynaresize.costmodel.costs import HARDWARE_PRESETS, MODEL_PRESETS, get_hardware, get_model, op_cost
+from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.types import Bounds, StepReport
 from dynaresize.workload import batch_for_step
 
@@ -80,7 +79,7 @@ def emulated_bounds(target: Target, policy: Any, num_devices: int) -> Bounds:
     """The simulator's bounds (`sim.scenarios.Scenario.bounds`) under the user's policy limits:
     a rollout replica (tp devices) is the least rollout pool and the move unit, and the
     training state's memory floor the least training pool."""
-    from dynaresize.sim.costs import min_train_devices
+    from dynaresize.costmodel.costs import min_train_devices
 
     model, hw = get_model(target.model), get_hardware(target.accelerator)
     tp = model.rollout_tp
@@ -96,34 +95,6 @@ def run_bounds(cfg: Any) -> Bounds:
     if getattr(c, "emulate", None):
         return emulated_bounds(parse(c.emulate), p, c.devices)
     return Bounds(num_devices=c.devices, min_rollout=p.min_rollout, min_train=p.min_train, move_unit=p.move_unit)
-
-
-def check_config(cfg: Any) -> list[tuple[str, Any, str]]:
-    """(field path, value, message) for each problem emulation has with a run config."""
-    c = cfg.cluster
-    out: list[tuple[str, Any, str]] = []
-    if not c.emulate:
-        if c.time_scale is not None:
-            out.append(("cluster.time_scale", c.time_scale, "only used with cluster.emulate (ACCEL:MODEL)"))
-        return out
-    try:
-        target = parse(c.emulate)
-    except ValueError as exc:
-        return [("cluster.emulate", c.emulate, str(exc))]
-    if c.time_scale is not None and not c.time_scale > 0:
-        out.append(("cluster.time_scale", c.time_scale, "must be > 0 (emulated seconds per wall second)"))
-    if c.devices < 2 or not 0 < c.rollout_devices < c.devices:
-        return out  # ClusterConfig names those
-    b = emulated_bounds(target, cfg.policy, c.devices)
-    if not b.splits():
-        out.append(("cluster.devices", c.devices,
-                    f"too few for {target.spec}: rollout needs >= {b.min_rollout} devices and training "
-                    f">= {b.min_train} (the training state's memory floor)"))
-    elif not b.allowed(c.rollout_devices):
-        out.append(("cluster.rollout_devices", c.rollout_devices,
-                    f"not a legal split for {target.spec} on {c.devices} devices ({b.why_not(c.rollout_devices)}; "
-                    f"legal: {', '.join(map(str, b.splits()))})"))
-    return out
 
 
 class Emulator:
@@ -262,71 +233,11 @@ class Emulator:
 
     def scenario(self, num_devices: int):
         """The simulator's scenario of this job: same batches, devices, model and hardware."""
-        from dynaresize.sim.scenarios import Scenario
+        from dynaresize.costmodel.scenarios import Scenario
 
         return Scenario(name=self.workload, num_devices=num_devices, num_steps=self.num_steps, model=self.model,
                         seed=self.seed, prompts_per_step=self.prompts_per_step,
                         samples_per_prompt=self.samples_per_prompt, batch_of=self.batch, hardware=self.hw)
-
-
-def _start(policy: Any, cfg: Any) -> int:
-    start = getattr(policy, "start_rollout", None)
-    return cfg.cluster.rollout_devices if start is None else int(start)
-
-
-def start_split(cfg: Any) -> int:
-    """The rollout devices a run of `cfg` starts with (as `runtime.Run` picks them)."""
-    from dynaresize.policy.base import make_policy
-
-    return _start(make_policy(cfg.policy, run_bounds(cfg), num_steps=cfg.steps), cfg)
-
-
-def predict(cfg: Any, policy_name: str | None = None, recorder: Any = None):
-    """The simulator's run of the job `cfg` (emulated) under `policy_name` (default: its own),
-    started as the runtime starts it: at `cluster.rollout_devices` unless the policy names its
-    split, with the same bounds and no pilot. Returns a `sim.engine.PolicyResult`.
-
-    With `train.staleness` >= 2 it is the streaming engine as the runtime runs it: the trainers
-    accumulate a step's gradients as its samples arrive, and an engine runs one share at a time
-    (the simulator's `admit` off)."""
-    from dynaresize.policy.base import make_policy
-    from dynaresize.sim.engine import run_policy
-    from dynaresize.sim.stream import run_stream
-
-    emu = Emulator.from_config(cfg)
-    if emu is None:
-        raise ConfigError(["cluster.emulate=None: a prediction needs an emulated accelerator (ACCEL:MODEL)"])
-    pcfg = replace(cfg.policy, name=policy_name or cfg.policy.name)
-    bounds = run_bounds(cfg)
-    eta = int(cfg.train.staleness)
-    policy = make_policy(pcfg, bounds, num_steps=cfg.steps, staleness=max(eta, 1))
-    start = _start(policy, cfg)
-    scenario = emu.scenario(cfg.cluster.devices)
-    if eta >= 2:
-        return run_stream(scenario, scenario.stages(), policy, bounds, start_rollout=start, staleness=eta,
-                          admit=False, reversal_window=pcfg.horizon_steps, recorder=recorder)
-    return run_policy(scenario, scenario.stages(), policy, bounds, start_rollout=start,
-                      reversal_window=pcfg.horizon_steps, recorder=recorder)
-
-
-def best_static(cfg: Any) -> tuple[int, float]:
-    """(rollout devices, samples/s) of the best fixed split in hindsight for the job `cfg`, as the
-    simulator predicts it (a sweep over the legal splits, `sim.oracle.best_static`; with
-    `train.staleness` >= 2 the streaming engine as the runtime runs it, `stream_best_static`)."""
-    from dynaresize.sim.oracle import best_static as sweep
-    from dynaresize.sim.oracle import build_table, grid, stream_best_static
-
-    emu = Emulator.from_config(cfg)
-    if emu is None:
-        raise ConfigError(["cluster.emulate=None: a prediction needs an emulated accelerator (ACCEL:MODEL)"])
-    scenario = emu.scenario(cfg.cluster.devices)
-    bounds, eta = run_bounds(cfg), int(cfg.train.staleness)
-    if eta >= 2:
-        split, total, _, _ = stream_best_static(scenario, scenario.stages(), bounds, grid(bounds), eta, False,
-                                                admit=False)
-    else:
-        split, total = sweep(build_table(scenario.stages(), grid(bounds), cfg.cluster.devices, cfg.steps))
-    return split, scenario.total_samples() / total
 
 
 def covered_s(intervals) -> float:

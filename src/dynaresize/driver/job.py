@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dynaresize.config import RunConfig
-from dynaresize.ledger import Ledger, token_sha1
+from dynaresize.driver.ledger import Ledger, token_sha1
 from dynaresize.rl import data, grpo, rewards, tasks
 from dynaresize.rl.models import encode_prompt, load_tokenizer
 from dynaresize.rl.seeds import sample_seed

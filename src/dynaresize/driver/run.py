@@ -28,27 +28,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dynaresize.checkpointing import Checkpointer, ResumePoint, end_partial_line, resume_records
+from dynaresize.driver.checkpointing import Checkpointer, ResumePoint, end_partial_line, resume_records
 from dynaresize.cluster import snapshot
 from dynaresize.cluster.cluster import Cluster, ResizeOutcome
 from dynaresize.cluster.faults import parse_faults
 from dynaresize.cluster.watchdog import DevicesLost
-from dynaresize.config import RunConfig, config_to_dict
+from dynaresize.config import RunConfig
+from dynaresize.config_load import config_to_dict
 from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
-from dynaresize.emulate import run_bounds
+from dynaresize.emulate.model import run_bounds
 from dynaresize.errors import RewardError
-from dynaresize.evaluation import Evaluator
-from dynaresize.job import Job, ScoredStep
-from dynaresize.ledger import Ledger, sample_record
+from dynaresize.driver.evaluation import Evaluator
+from dynaresize.driver.job import Job, ScoredStep
+from dynaresize.driver.ledger import Ledger, sample_record
 from dynaresize.metrics import resize_counts, throughput_fields
 from dynaresize.policy.base import make_policy
 from dynaresize.records import Recorder
-from dynaresize.recovery import Recovery, stop_run
+from dynaresize.driver.recovery import Recovery, stop_run
 from dynaresize.rl import grpo
 from dynaresize.roles.base import auto_hf_reason, resolve_engine
-from dynaresize.stepstate import StepRollout, Window, rollout_version
-from dynaresize.steptiming import StepTiming
+from dynaresize.pipeline.stepstate import StepRollout, Window, rollout_version
+from dynaresize.emulate.clock import StepTiming
 from dynaresize.tracking import check_backends, open_sinks
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan, StepReport
 
@@ -100,7 +101,7 @@ class Run:
         self.recovery, self.ckpt = Recovery(self), Checkpointer(self)
         self.stream = None
         if cfg.train.staleness >= 2:  # the streaming pipeline (streaming.py)
-            from dynaresize.streaming import Streaming
+            from dynaresize.driver.streaming import Streaming
 
             self.stream = Streaming(self)
 

@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynaresize.stepstate import rollout_version
+from dynaresize.pipeline.stepstate import rollout_version
 
 
 def released_through(trained: int, eta: int, num_steps: int) -> int:

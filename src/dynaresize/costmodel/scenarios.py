@@ -17,8 +17,8 @@ import numpy as np
 
 from dynaresize.config import PolicyConfig
 from dynaresize.errors import ConfigError
-from dynaresize.sim.costs import Hardware, ModelPreset, get_model, min_train_devices
-from dynaresize.sim.stages import Batch, StageModel
+from dynaresize.costmodel.costs import Hardware, ModelPreset, get_model, min_train_devices
+from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.types import Bounds
 from dynaresize.workload import SAMPLES_PER_PROMPT, batch_for_step, get_workload
 

@@ -34,7 +34,6 @@ size and sha256) before the run directory is touched; any problem is one `Checkp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -45,9 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dynaresize.config import config_to_dict
+from dynaresize.config_load import config_to_dict
 from dynaresize.errors import CheckpointError
-from dynaresize.stepstate import rollout_version
+from dynaresize.pipeline.stepstate import rollout_version
 
 FORMAT = "dynaresize.run-checkpoint.v1"
 LATEST = "latest.json"

@@ -31,7 +31,7 @@ import threading
 from bisect import bisect_right
 from typing import Any
 
-from dynaresize.emulate import Emulator, covered_s, span_s, time_scale_of
+from dynaresize.emulate.model import Emulator, covered_s, span_s, time_scale_of
 from dynaresize.types import StepReport
 
 

@@ -73,7 +73,7 @@ def _median(xs: list[float]) -> float:
 
 
 def _config(devices: int, model: dict, staging_bytes: int | None, overrides: list[str] = ()):
-    from dynaresize.config import apply_overrides, build_config, merge
+    from dynaresize.config_load import apply_overrides, build_config, merge
 
     # Start with fewer rollout than training devices, so training keeps >= 2 devices at 4+.
     data: dict = {"cluster": {"devices": devices, "rollout_devices": max(1, (devices - 1) // 2)}, "model": model}

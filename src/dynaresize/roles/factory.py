@@ -1,0 +1,28 @@
+"""Builds the rollout engine a run config names: the one module of `roles` that imports the
+engine backends (`rollout_vllm`, `rollout_hf`), so the interface (`roles.base`) never does and
+the package has no import circle. Backends import lazily: choosing one never imports the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynaresize.roles import base
+from dynaresize.roles.base import RolloutEngine
+
+
+def rollout_engine_from_config(cfg: Any, **kwargs: Any) -> RolloutEngine:
+    """The rollout engine of run config `cfg` (`resolve_engine`), built from its settings.
+    `kwargs` go to the chosen engine's constructor (for example `device` for hf)."""
+    name = base.resolve_engine(cfg)  # through the module: one definition, patched in tests
+    r = cfg.rollout
+    if name == "vllm":
+        from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
+
+        options = dict(max_num_seqs=r.vllm_max_num_seqs, max_model_len=r.vllm_max_model_len,
+                       kv_cache_bytes=r.vllm_kv_cache_bytes, seed=cfg.seed,
+                       prefix_caching=not cfg.deterministic)
+        return VLLMRolloutEngine(cfg.model, r.temperature, **{**options, **kwargs})
+    from dynaresize.roles.rollout_hf import HFRolloutEngine
+
+    return HFRolloutEngine(cfg.model, r.temperature, **{"batch_rows": r.batch_rows, **kwargs})
