@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser demo test test-slow test-faults bench clean
+.PHONY: setup browser demo lint test test-slow test-faults bench clean
 
 setup: $(STAMP)
 
@@ -29,7 +29,13 @@ browser:
 demo: $(STAMP)
 	$(VENV)/bin/dynaresize run --out runs/demo
 
+# The layer contracts (pyproject.toml [tool.importlinter], docs/architecture.md).
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
+
+# The layer contracts first, then the suite.
 test: $(STAMP) browser
+	$(VENV)/bin/lint-imports
 	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q
 
 test-slow: $(STAMP) browser

@@ -41,6 +41,7 @@ def main() -> None:
     from dynaresize.roles.base import GenRequest
     from dynaresize.roles.rollout_hf import HFRolloutEngine
     from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
+    from dynaresize.roles.vllm_process import preload_vllm
 
     torch.set_num_threads(args.threads)
     cfg = ModelConfig(**MODELS[args.model])
@@ -53,7 +54,7 @@ def main() -> None:
     out: dict = {"model": args.model, "params": num_parameters(model), "threads": args.threads,
                  "requests": args.requests, "tokens": args.tokens, "rss_mib_before": round(rss())}
 
-    out["preload_s"] = VLLMRolloutEngine.preload()  # imports (a worker does this ahead)
+    out["preload_s"] = preload_vllm()  # imports (a worker does this ahead)
     eng = VLLMRolloutEngine(cfg, 1.0, kv_cache_bytes=256 << 20)
     eng.start(sd, 0)
     out["start_fresh"] = eng.timings

@@ -6,13 +6,18 @@ runtime", has the numbers. Usage (RUN_DIR prefix /tmp/stale-w/emu-etaN):
     DEV=8 EXTRA='{"cluster":{"emulate":"h100:7b","time_scale":20},"rollout":{"length_workload":"longtail-drift"}}' \
         python scripts/staleness_gain.py STEPS ROLLOUT_DEVICES 1,2 [--sim-only]
 """
-import json, sys, time, ray
+import json
+import os
+import sys
+import time
+
+import ray
+
 from dynaresize.config_load import build_config, merge
-from dynaresize.presets import preset
 from dynaresize.driver.run import run_job
 from dynaresize.emulate.predict import predict
+from dynaresize.presets import preset
 
-import os
 os.makedirs("/tmp/stale-w", exist_ok=True)
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
 ROLL = int(sys.argv[2]) if len(sys.argv) > 2 else 4

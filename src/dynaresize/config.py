@@ -15,7 +15,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-
 POLICY_NAMES = ("hysteresis", "static", "static-profiled", "greedy", "lend", "scripted")
 FAULT_KINDS = ("kill", "stop", "node")  # node: the whole Ray node hosting DEVICE dies (docs/faults.md)
 FAULT_POINTS = ("rollout", "train", "weight_sync", "resize.reshard", "resize.switch")
@@ -32,8 +31,8 @@ class ClusterConfig:
     cpus_per_device: float = 0.5  # Ray CPU resources per worker on CPU devices
     torch_threads: int = 1  # fixed: bitwise-reproducible math needs a fixed thread count
     placement_strategy: str = "PACK"  # how the device bundles go onto Ray nodes (docs/cluster.md)
-    emulate: str | None = None  # "ACCEL:MODEL" (e.g. h100:7b): pace every device to that accelerator (emulate.py)
-    time_scale: float | None = None  # emulated seconds per wall second (with emulate; None: emulate.DEFAULT_TIME_SCALE)
+    emulate: str | None = None  # "ACCEL:MODEL" (e.g. h100:7b): pace every device to that accelerator (emulate/model.py)
+    time_scale: float | None = None  # emulated seconds per wall second (with emulate; None: emulate.model.DEFAULT_TIME_SCALE)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.devices >= 2, "devices", self.devices, "needs at least 2 devices")

@@ -83,9 +83,9 @@ class EngineActor:
         return vllm_import_error()
 
     def preload(self) -> float:
-        from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
+        from dynaresize.roles.vllm_process import preload_vllm
 
-        return VLLMRolloutEngine.preload()
+        return preload_vllm()
 
     def join(self, init_method: str) -> str:
         import torch.distributed as dist
@@ -97,8 +97,9 @@ class EngineActor:
         return self.new_group("before")
 
     def new_group(self, tag: str) -> str:
-        import torch.distributed as dist
         from datetime import timedelta
+
+        import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
         group = dist.new_group([0, 1], timeout=timedelta(seconds=60))

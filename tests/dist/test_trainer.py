@@ -82,7 +82,9 @@ def _worker(rank: int, out: str) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
     from dynaresize.rl.models import build_model
-    from dynaresize.roles.train_fsdp import FSDPTrainer, TrainerSpec, move_state
+    from dynaresize.roles.train_fsdp import FSDPTrainer
+    from dynaresize.roles.train_reshard import move_state
+    from dynaresize.roles.train_spec import TrainerSpec
     from dynaresize.roles.train_state import OptimSettings
 
     timeout = timedelta(seconds=120)

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from dynaresize.metrics import eval_scalars, resize_scalars, step_scalars
+
 from _browser import assert_every_figure_renders
 from _runs import job_data, ray_local, records  # noqa: F401
-from dynaresize.metrics import eval_scalars, resize_scalars, step_scalars
 
 pytestmark = pytest.mark.dist
 

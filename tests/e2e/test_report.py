@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from _browser import assert_every_figure_renders, browser_verdict
 from dynaresize.cli import main
 from dynaresize.records import Recorder
+
+from _browser import assert_every_figure_renders, browser_verdict
 
 STEPS = 6
 

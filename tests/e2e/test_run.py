@@ -14,9 +14,9 @@ import torch
 ray = pytest.importorskip("ray")
 
 from dynaresize.config_load import build_config
+from dynaresize.driver.run import run_job
 from dynaresize.presets import preset
 from dynaresize.records import read_records
-from dynaresize.driver.run import run_job
 
 pytestmark = pytest.mark.dist
 

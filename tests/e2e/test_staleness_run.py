@@ -13,11 +13,12 @@ import pytest
 
 pytest.importorskip("ray")
 
-from _runs import ray_local  # noqa: F401
 from dynaresize.config_load import build_config
+from dynaresize.driver.run import run_job
 from dynaresize.presets import preset
 from dynaresize.records import read_records
-from dynaresize.driver.run import run_job
+
+from _runs import ray_local  # noqa: F401
 
 pytestmark = pytest.mark.dist
 

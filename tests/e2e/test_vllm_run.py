@@ -20,8 +20,8 @@ def vllm_pair(tmp_path_factory):
     import ray
 
     from dynaresize.config_load import build_config, merge
-    from dynaresize.presets import preset
     from dynaresize.driver.run import run_job
+    from dynaresize.presets import preset
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -41,7 +41,8 @@ def test_fsdp_trainer_step_sync_and_memory_on_cuda():
     from dynaresize.comm import rendezvous
     from dynaresize.rl import grpo
     from dynaresize.rl.models import build_model
-    from dynaresize.roles.train_fsdp import FSDPTrainer, TrainerSpec
+    from dynaresize.roles.train_fsdp import FSDPTrainer
+    from dynaresize.roles.train_spec import TrainerSpec
     from dynaresize.roles.train_state import OptimSettings
 
     port = rendezvous.free_port()

@@ -1,4 +1,4 @@
-"""The streaming step's bookkeeping while its samples arrive (accumulate.py): groups scored once
+"""The streaming step's bookkeeping while its samples arrive (driver/accumulate.py): groups scored once
 complete, micro-batches fixed by sample index and ready once their groups are, the merged step
 equal to scoring it all at once."""
 

@@ -37,12 +37,11 @@ Pure: no Ray, no process group, no network. Tiny model (hidden 32, one layer, vo
 
 from __future__ import annotations
 
-import importlib.util
-
 import ast
 import atexit
 import functools
 import hashlib
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -303,7 +302,8 @@ def _train_steps(cfg: RunConfig, steps: int = 2) -> list:
     from dynaresize.cluster.worker import DeviceWorker
     from dynaresize.rl import grpo
     from dynaresize.rl.models import build_model
-    from dynaresize.roles.train_fsdp import MOMENT_KINDS, FSDPTrainer, TrainerSpec
+    from dynaresize.roles.train_fsdp import FSDPTrainer
+    from dynaresize.roles.train_spec import MOMENT_KINDS, TrainerSpec
 
     spec = TrainerSpec.from_config(cfg)
     model = build_model(cfg.model).train()
@@ -349,7 +349,8 @@ def _sharded(cfg: RunConfig) -> tuple:
     import torch.distributed.fsdp as fsdp
 
     from dynaresize.rl.models import build_model
-    from dynaresize.roles.train_fsdp import FSDPTrainer, TrainerSpec
+    from dynaresize.roles.train_fsdp import FSDPTrainer
+    from dynaresize.roles.train_spec import TrainerSpec
 
     policies: list = []
 
@@ -371,7 +372,7 @@ def _behaviour_logprobs(cfg: RunConfig) -> tuple:
     """`DeviceWorker._old_logprobs()` (where the PPO ratio's behaviour log-probs come from)
     and the compute dtype of the spec."""
     from dynaresize.cluster.worker import DeviceWorker
-    from dynaresize.roles.train_fsdp import TrainerSpec
+    from dynaresize.roles.train_spec import TrainerSpec
 
     worker = DeviceWorker.__new__(DeviceWorker)
     worker._parked = None  # set by __init__, which these probes skip
@@ -909,8 +910,9 @@ def test_runtime_evidence_exists(path, index, ev):
 def test_the_runtimes_hysteresis_models_its_own_pipeline(staleness):
     """train.staleness >= 2: the runtime's hysteresis fits the streaming throughput model (a
     step's rollout latency is no stage time there); 0 and 1 keep the one-step-off model."""
-    from dynaresize.policy.model import OnlineStageModel, StreamStageModel
     from dynaresize.driver.run import Run
+    from dynaresize.policy.model import OnlineStageModel
+    from dynaresize.policy.stream_model import StreamStageModel
 
     run = Run.__new__(Run)
     run.cfg = build_config(merge(preset("cpu"), {"train": {"staleness": staleness}, "policy": {"name": "hysteresis"}}))

@@ -1,4 +1,4 @@
-"""Emulated accelerators (emulate.py): parsing, config checks, durations equal to the
+"""Emulated accelerators (emulate/model.py): parsing, config checks, durations equal to the
 simulator's own functions, time scaling (the pacer and the run's clock), and the router's split."""
 
 import math
@@ -9,15 +9,15 @@ import pytest
 
 from dynaresize.config import PolicyConfig
 from dynaresize.config_load import build_config, merge
+from dynaresize.costmodel import costs
+from dynaresize.costmodel.stages import Batch, StageModel
+from dynaresize.emulate.clock import EmulatedClock
 from dynaresize.emulate.model import (DEFAULT_TIME_SCALE, Emulator, Target, covered_s, emulated_bounds, parse,
                                       run_bounds, time_scale_of)
 from dynaresize.emulate.predict import predict, start_split
 from dynaresize.errors import ConfigError
 from dynaresize.presets import preset
-from dynaresize.costmodel import costs
-from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.workload import get_workload, sample_lengths
-from dynaresize.emulate.clock import EmulatedClock
 
 
 def _emu(target="h100:7b", workload="longtail-drift", prompts=8, samples=4, steps=10, seed=3):

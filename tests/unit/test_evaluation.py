@@ -8,11 +8,11 @@ from math import comb
 import pytest
 
 from dynaresize.config_load import build_config
-from dynaresize.errors import ConfigError, UserError
 from dynaresize.driver.evaluation import EVAL_STEP, Evaluator, held_out_prompts, pass_at_k, pass_ks
 from dynaresize.driver.job import Job
-from dynaresize.records import make_record
+from dynaresize.errors import ConfigError, UserError
 from dynaresize.metrics import eval_scalars
+from dynaresize.records import make_record
 from dynaresize.rl.data import prompts_for_step
 from dynaresize.rl.tasks import toy_held_out_prompts, toy_prompts
 from dynaresize.roles.base import GenResult

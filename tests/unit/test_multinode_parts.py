@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from dynaresize.driver.checkpointing import OWNER, checkpoint_root, claim_root
 from dynaresize.cluster.faults import FaultInjector, parse_faults
 from dynaresize.cluster.placement import init_kwargs
 from dynaresize.cluster.snapshot import replica_holders
 from dynaresize.config_load import build_config
+from dynaresize.driver.checkpointing import OWNER, checkpoint_root, claim_root
 from dynaresize.errors import ConfigError, UserError
 
 

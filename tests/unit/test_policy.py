@@ -288,7 +288,7 @@ def test_hysteresis_is_deterministic():
 
 # ------------------------------------------------------------ streaming pipeline (staleness >= 2)
 
-from dynaresize.policy.model import StreamStageModel, expected_max_of  # noqa: E402
+from dynaresize.policy.stream_model import StreamStageModel, expected_max_of  # noqa: E402
 
 
 def test_expected_max_of_matches_sampling():

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 
 from dynaresize.config import PolicyConfig
+from dynaresize.costmodel.costs import get_model, min_train_devices, naive_resize_cost, rollout_constants
+from dynaresize.costmodel.scenarios import workload_scenario
+from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.policy.base import make_policy
 from dynaresize.policy.baselines import Planned
 from dynaresize.records import Recorder
-from dynaresize.costmodel.costs import get_model, min_train_devices, naive_resize_cost, rollout_constants
 from dynaresize.sim.engine import EventQueue, run_policy
 from dynaresize.sim.oracle import best_static, build_table, grid, oracle_plan, pilot_split
 from dynaresize.sim.resize import canonical_timing, lend_step
-from dynaresize.costmodel.scenarios import workload_scenario
-from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.types import Bounds
 
 K = 24

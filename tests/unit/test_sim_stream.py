@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from dynaresize.config import PolicyConfig
+from dynaresize.costmodel.scenarios import workload_scenario
 from dynaresize.errors import ConfigError
 from dynaresize.policy.baselines import Planned, Scripted
 from dynaresize.records import Recorder
 from dynaresize.sim.engine import run_policy
 from dynaresize.sim.oracle import stream_best_static, stream_lower_bound
-from dynaresize.costmodel.scenarios import workload_scenario
 from dynaresize.sim.shell import simulate
 from dynaresize.sim.stream import StreamEngine, rollout_version, run_stream
 

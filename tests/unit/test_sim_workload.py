@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from dynaresize.errors import ConfigError, TraceError
 from dynaresize.costmodel.scenarios import workload_scenario
+from dynaresize.errors import ConfigError, TraceError
 from dynaresize.workload import WORKLOADS, get_workload, lengths_for_step, sample_lengths, sample_lengths_array
 
 

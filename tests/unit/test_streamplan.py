@@ -1,4 +1,4 @@
-"""The streaming pipeline's pure schedule (streamplan.py): release rule, dispatch rule, bounds.
+"""The streaming pipeline's pure schedule (pipeline/streamplan.py): release rule, dispatch rule, bounds.
 
 A toy driver plays the runtime's windows against `StreamQueue` with engines whose calls end in
 a seeded random order, and checks at every point the bounds the module states."""

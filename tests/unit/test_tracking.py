@@ -17,8 +17,8 @@ import pytest
 
 from dynaresize.config_load import build_config
 from dynaresize.errors import ConfigError
-from dynaresize.records import Recorder, read_records
 from dynaresize.metrics import RESIZE_SCALARS, STEP_SCALARS, TRAIN_FIELDS, resize_scalars, step_scalars
+from dynaresize.records import Recorder, read_records
 from dynaresize.tracking import check_backends, open_sinks
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "records.md"

@@ -35,7 +35,8 @@ import ray
 
 from dynaresize.cluster.cluster import Cluster, _cuda_available
 from dynaresize.cluster.placement import actor_options, worker_env
-from dynaresize.cluster.worker import BACKGROUND_TAG, remote_worker_class, worker_config
+from dynaresize.cluster.worker import remote_worker_class, worker_config
+from dynaresize.cluster.worker_resize import BACKGROUND_TAG
 from dynaresize.comm import rendezvous
 from dynaresize.config import RunConfig
 from dynaresize.types import ROLLOUT, TRAIN, ResizePlan

@@ -1,4 +1,4 @@
-"""Pacing: device workers that take as long as an emulated accelerator would (emulate.py).
+"""Pacing: device workers that take as long as an emulated accelerator would (emulate/model.py).
 
 Worker side (`PacedMixin`, mixed into `DeviceWorker`): `paced(start, emulated_s, method, *args)`
 runs `method` (the real work), then sleeps until `start + emulated_s / time_scale`, where
@@ -12,15 +12,15 @@ time). `paced_bg` does the same on the worker's background thread (background re
 
 Overruns: a rollout or training call whose real work overran its paced time makes its step
 `overrun`: that stage took the machine's time, not the model's (the excess counts 1:1 on the
-run's clock, steptiming.py). Weight syncs and resize ops are short in the model (0.05-1.3 s
+run's clock, emulate/clock.py). Weight syncs and resize ops are short in the model (0.05-1.3 s
 for a 7B on an H100) and have a latency floor here (Ray calls, gloo on CPU) that no smaller
 model removes: what they take beyond their paced time is the step's overhead, not an overrun.
 
 Driver side (`DriverPacing`, one per `Cluster`): which calls are paced and to what (from the
-run's `emulate.Emulator`); the rollout router's work split (`rollout_chunks`: the simulator's
+run's `emulate.model.Emulator`); the rollout router's work split (`rollout_chunks`: the simulator's
 replicas, each device's requests sent at once as one continuous batch); driver-side pacing of a
 resize's critical ops (`after_op`); the run's clock, on which every paced interval is put
-(steptiming.EmulatedClock); and the real and paced times of the stage calls, which the runtime
+(emulate.clock.EmulatedClock); and the real and paced times of the stage calls, which the runtime
 takes per step (`overrun`, `real_fraction`). Without `cluster.emulate` nothing is paced: every
 helper hands the call through unchanged.
 
@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import ray
 
-from dynaresize.emulate.model import Emulator, time_scale_of
 from dynaresize.emulate.clock import EmulatedClock
+from dynaresize.emulate.model import Emulator, time_scale_of
 
 
 def pace(result: Any, start: float, emulated_s: float, time_scale: float, *,
@@ -79,7 +79,7 @@ class DriverPacing:
     def __init__(self, cfg: Any) -> None:
         self.emulator: Emulator | None = Emulator.from_config(cfg)
         self.time_scale = time_scale_of(cfg.cluster)
-        self.clock = EmulatedClock(self.time_scale)  # paced work counts time_scale x (steptiming.py)
+        self.clock = EmulatedClock(self.time_scale)  # paced work counts time_scale x (emulate/clock.py)
         self._lock = threading.Lock()
         self._stage_calls: list[tuple[float, float]] = []  # (real_s, paced_s) of rollout and training calls
 

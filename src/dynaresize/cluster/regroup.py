@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from dynaresize.cluster.watchdog import DevicesLost
-from dynaresize.cluster.worker import BACKGROUND_TAG
+from dynaresize.cluster.worker_resize import BACKGROUND_TAG
 from dynaresize.comm import rendezvous
 from dynaresize.types import Assignment, Bounds
 

@@ -1,7 +1,7 @@
 """The resize executor: a plan's ops run by name, each through its handler here.
 
 `HANDLERS` maps every op name the planner emits (`control.planner.OP_NAMES`) to the code that
-carries it out on the real workers; the simulator's cost table (`sim.costs.OP_COSTS`) has
+carries it out on the real workers; the simulator's cost table (`costmodel.costs.OP_COSTS`) has
 exactly the same names (tests/unit/test_planner.py checks all three agree). `execute` walks the
 plan's ops in plan order and runs each distinct name once for all the devices that name it
 (the ops of one name are collective: a reshard involves every old and new trainer), so an op
@@ -29,7 +29,7 @@ What each op does (train -> rollout, then rollout -> train):
 
 Each handler appends one entry per device it ran on (name, device, epoch t0/t1, bytes) to the
 outcome: the runtime turns them into `op` records. With an emulated accelerator
-(`cluster.emulate`) each critical op then lasts `sim.costs.op_cost` of its name (the driver
+(`cluster.emulate`) each critical op then lasts `costmodel.costs.op_cost` of its name (the driver
 waits out the rest) and background ops are paced on the workers' background thread.
 """
 

@@ -4,7 +4,7 @@ A worker joins the run's one torch.distributed world once (`init_world`), owns i
 communicator pool, and holds one role runtime at a time: a rollout engine or a trainer shard
 (roles/train_fsdp.py: FSDP2 over the cached training communicator). A resize never restarts
 the process and never creates a new world: the driver runs the plan's ops by name
-(cluster/resize_ops.py), and each op calls one method here.
+(cluster/resize_ops.py), and each op calls one method of the worker (cluster/worker_resize.py).
 
 Device placement: a worker holding a GPU puts everything on `cuda:0` (Ray sets
 CUDA_VISIBLE_DEVICES to its own GPU); snapshots and exports copy to host explicitly
@@ -38,20 +38,19 @@ import torch
 from dynaresize.cluster.faults import fire
 from dynaresize.cluster.pacing import PacedMixin
 from dynaresize.cluster.worker_recovery import RecoveryMixin
+from dynaresize.cluster.worker_resize import ResizeOpsMixin
 from dynaresize.cluster.worker_train import TrainStageMixin
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import CommPool
 from dynaresize.config import RunConfig
 from dynaresize.config_load import build_config
-from dynaresize.reshard.execute import NO_STATS
 from dynaresize.reshard.layout import RowChunkLayout
 from dynaresize.rl.models import build_model
 from dynaresize.roles.base import GenRequest, resolve_engine
 from dynaresize.roles.factory import rollout_engine_from_config
-from dynaresize.roles.train_fsdp import MOMENT_KINDS, REF_KIND, FSDPTrainer, TrainerSpec, move_state
+from dynaresize.roles.train_fsdp import FSDPTrainer
+from dynaresize.roles.train_spec import TrainerSpec
 from dynaresize.roles.weight_sync import receive_weights, send_weights
-
-BACKGROUND_TAG = "background"
 
 
 def local_device(backend: str) -> torch.device:
@@ -61,7 +60,7 @@ def local_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin):
+class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin):
     """The actor body (wrapped by `ray.remote` in `remote_worker_class`)."""
 
     def __init__(self, device: int, config: dict) -> None:
@@ -78,9 +77,9 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin):
         if resolve_engine(self.cfg) == "vllm":
             # vLLM's imports (seconds) at worker start, off every resize's critical path. On this
             # thread: importing from a second thread raced transformers' lazy module set-up.
-            from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
+            from dynaresize.roles.vllm_process import preload_vllm
 
-            VLLMRolloutEngine.preload()
+            preload_vllm()
         self.spec = TrainerSpec.from_config(self.cfg)
         self.role: str | None = None
         self.pool: CommPool | None = None
@@ -135,7 +134,7 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin):
     def _model_specs(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of the trainable parameters in flattening order (tied weights once)."""
         if self._specs is None:
-            from dynaresize.roles.train_fsdp import empty_model
+            from dynaresize.roles.train_spec import empty_model
 
             self._specs = [(n, tuple(p.shape)) for n, p in empty_model(self.cfg.model).named_parameters()]
         return self._specs
@@ -219,154 +218,6 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin):
             state, sent = receive_weights(specs, root=root, group=group, device=self.torch_device)
             self.engine.set_weights(state, version)
         return {"t0": t0, "t1": time.time(), "bytes": sent, "device": self.device}
-
-    # ------------------------------------------------------------------ resize ops
-
-    def gather_full(self, old_ranks: Sequence[int], keep: Sequence[int], version: int, step: int) -> dict:
-        """Every trainer of `old_ranks` gathers the full weights; the devices in `keep` (those
-        leaving for rollout) hold them for their engine (part of `move_param_shards`)."""
-        self._maybe_fault("resize.reshard", step)
-        t0 = time.time()
-        keeps = self.device in keep
-        if keeps and self.trainer.step != version:
-            raise RuntimeError(f"device {self.device} holds version {self.trainer.step}, not {version}")
-        full = {}
-        for name, t in self.trainer.full_params():  # collective: every old trainer walks it all
-            if keeps:  # only a device leaving for rollout keeps a copy (its engine's first weights)
-                full[name] = t.cpu() if self.torch_device.type == "cpu" else t
-        if keeps:
-            self._full, self._full_version = full, version
-        nbytes = sum(t.numel() * t.element_size() for t in full.values())
-        return {"t0": t0, "t1": time.time(), "bytes_received": nbytes}
-
-    def reshard_params(self, old_ranks: Sequence[int], new_ranks: Sequence[int], *, scalars: dict,
-                       step: int) -> dict:
-        """Move parameter shards (and the reference weights) from the old training layout to
-        the new one, through the bounded staging buffer, point to point on the world group.
-        Called on every device of old_ranks | new_ranks. A device of the new group builds its
-        new trainer (FSDP over the new group's cached communicator) and receives straight into
-        it; a device keeps its old moment shards until `reshard_moments` has sent them."""
-        self._maybe_fault("resize.reshard", step)
-        t0 = time.time()
-        old_ranks, new_ranks = tuple(sorted(old_ranks)), tuple(sorted(new_ranks))
-        old_layout, new_layout = self._layout(old_ranks), self._layout(new_ranks)
-        kinds = ("param",) + ((REF_KIND,) if self.spec.with_ref else ())
-        old = self.trainer
-        new = self._new_trainer(new_ranks, init=False) if self.device in new_ranks else None
-        stats = move_state(old, new, kinds=kinds, old_layout=old_layout, new_layout=new_layout, rank=self.device,
-                           spec=self.spec, staging_bytes=self.cfg.reshard.staging_bytes, group=None)
-        self._old_moments = {k: old.pieces(k) for k in MOMENT_KINDS} if old is not None else None
-        self._old_layout = old_layout
-        self._moments_done.clear()
-        if old is not None:
-            old.model = old.ref = None  # parameters go now; moments stay until sent
-        self.trainer = new
-        if new is not None:
-            new.load_scalars(scalars)
-            self.train_ranks, self.role = new_ranks, "train"
-        else:
-            self.train_ranks = ()
-        return {"t0": t0, "t1": time.time(), **stats.to_dict()}
-
-    def _move_moments(self, new_ranks: Sequence[int]) -> dict:
-        t0 = time.time()
-        new_ranks = tuple(sorted(new_ranks))
-        group = self.pool.get(tuple(range(rendezvous.live_world().world_size)), tag=BACKGROUND_TAG)
-        stats = NO_STATS
-        if self._old_moments is not None or self.trainer is not None:
-            stats = move_state(None, self.trainer, kinds=MOMENT_KINDS, old_layout=self._old_layout,
-                               new_layout=self._layout(new_ranks), rank=self.device, spec=self.spec,
-                               staging_bytes=self.cfg.reshard.staging_bytes, group=group,
-                               old_pieces=self._old_moments)
-        self._old_moments = None
-        return {"t0": t0, "t1": time.time(), **stats.to_dict()}
-
-    @ray.method(concurrency_group="bg")
-    def reshard_moments(self, new_ranks: Sequence[int], background: bool = True) -> dict:
-        """Move optimizer moments on the background group (see the module docstring). With
-        NCCL and `background`, the move is left to this worker's main thread: a trainer runs it
-        before its next optimizer step (`train`), a device that left training in `flush_moments`,
-        which the driver calls beside that training step; so two threads never issue NCCL work
-        at once. Without `background` the driver is waiting and no main-thread work runs: it
-        moves now."""
-        if background and self.torch_device.type == "cuda":
-            self._inline_moments = lambda: self._run_moments(new_ranks)
-            return {"t0": time.time(), "t1": time.time(), "deferred": True}
-        return self._run_moments(new_ranks)
-
-    def flush_moments(self) -> dict:
-        """NCCL: a device that left training sends its deferred moment shards (main thread)."""
-        t0 = time.time()
-        self._run_deferred_moments()
-        return {"t0": t0, "t1": time.time()}
-
-    def _run_deferred_moments(self) -> None:
-        if self._inline_moments is not None:
-            move, self._inline_moments = self._inline_moments, None
-            move()
-
-    def _run_moments(self, new_ranks: Sequence[int]) -> dict:
-        try:
-            return self._move_moments(new_ranks)
-        except BaseException as exc:  # surfaced to the main thread at its optimizer step
-            self._moments_error = exc
-            raise
-        finally:
-            self._moments_done.set()
-
-    @ray.method(concurrency_group="bg")
-    def free_train_memory(self) -> dict:
-        """Background op after the moments left: drop what training held on a leaving device."""
-        t0 = time.time()
-        self._moments_done.wait()
-        self._old_moments = None
-        if self.torch_device.type == "cuda":
-            torch.cuda.empty_cache()
-        return {"t0": t0, "t1": time.time()}
-
-    def load_weights(self, version: int, step: int) -> dict:
-        """Train -> rollout: the engine starts (or wakes) with the full weights gathered during
-        `move_param_shards`; the training role is gone."""
-        self._maybe_fault("resize.switch", step)
-        t0 = time.time()
-        if self._full is None or self._full_version != version:
-            raise RuntimeError(f"device {self.device}: no full weights of version {version} to load")
-        state, self._full = self._full, None
-        woke = self._parked is not None
-        self.engine = self._new_engine()
-        self.engine.set_weights(state, version)  # in place when woken, else a start
-        self.role = "rollout"
-        return {"t0": t0, "t1": time.time(), "woke": woke}
-
-    def alloc_kv_cache(self) -> dict:
-        """Train -> rollout: the engine's KV cache (what the engine reserves ahead, if anything)."""
-        t0 = time.time()
-        nbytes = self.engine.alloc_kv_cache() if hasattr(self.engine, "alloc_kv_cache") else 0
-        return {"t0": t0, "t1": time.time(), "bytes_received": 0, "kv_cache_bytes": nbytes}
-
-    def drain_requests(self) -> dict:
-        """Rollout -> train: returns once every generate call sent to this worker has ended
-        (methods run one at a time on the main thread, so this call queues behind them)."""
-        t0 = time.time()
-        return {"t0": t0, "t1": time.time()}
-
-    def release_engine(self, step: int) -> dict:
-        """Rollout -> train: release the engine's memory (nothing is in flight at a step
-        boundary: the driver drained it)."""
-        self._maybe_fault("resize.switch", step)
-        t0 = time.time()
-        freed = True
-        if self.engine is not None and self.cfg.rollout.engine_release == "park":
-            # Kept warm for the next move to rollout; where the engine cannot free memory while
-            # parked (vLLM on CPU, the HF engine) its memory stays in use.
-            freed = bool(self.engine.park()) if hasattr(self.engine, "park") else False
-            self._parked = self.engine
-        elif self.engine is not None:
-            self.engine.release()
-        self.engine, self.role = None, "joining"
-        if self.torch_device.type == "cuda":
-            torch.cuda.empty_cache()
-        return {"t0": t0, "t1": time.time(), "memory_freed": freed}
 
     def param_digest(self) -> str:
         """sha1 of the full weights (collective over the training group)."""

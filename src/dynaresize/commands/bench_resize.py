@@ -14,7 +14,7 @@ round trip that is recorded but left out of the medians (fresh processes pay laz
 their first move; a real run's workers have run both roles before they move). The primary
 bound's numbers are the headline.
 
-Outputs in DIR: `summary.json` (keys documented in docs/resize.md), `records.jsonl` (`resize`
+Outputs in DIR (written by commands/bench_resize_report.py): `summary.json` (keys documented in docs/resize.md), `records.jsonl` (`resize`
 and `op` records, naive phases as ops with `path: naive`), `resize_timeline.png` (op timeline
 of one optimized resize per direction and one naive resize, critical ops in red).
 
@@ -35,17 +35,15 @@ import math
 import os
 import random
 import shutil
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from dynaresize.commands.bench_resize_report import KIB, MIB, fmt_bytes, format_table, plot_timeline, summarize
 from dynaresize.errors import UserError
 
-KIB, MIB = 1 << 10, 1 << 20
 SWEEP_BYTES = (64 * KIB, 16 * MIB)  # then the primary (configured default) bound
 TO_ROLLOUT, TO_TRAIN = "train->rollout", "rollout->train"
-PARAM_BYTES_PER_ELEM = 4  # fp32 master weights
 
 
 def model_for_params(num_params: float) -> dict:
@@ -66,10 +64,6 @@ def qwen2_num_params(model: dict) -> int:
     MLP 4*H, biases on q/k/v, two norms per layer, a final norm, untied embedding and head)."""
     h, layers, vocab = model["hidden_size"], model["num_layers"], model["vocab_size"]
     return 2 * vocab * h + layers * (16 * h * h + 5 * h) + h
-
-
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
 
 
 def _config(devices: int, model: dict, staging_bytes: int | None, overrides: list[str] = ()):
@@ -221,7 +215,7 @@ def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bound
     numel = qwen2_num_params(model)  # replaced below by the trainers' own count (checkpoint manifest)
     r0 = cfgs[0].cluster.rollout_devices
     print(f"bench resize: {devices} devices, Qwen2 {numel / 1e6:.2f}M params {model}; bounds "
-          f"{[_fmt_bytes(b) for b in bounds]}; starting workers...", flush=True)
+          f"{[fmt_bytes(b) for b in bounds]}; starting workers...", flush=True)
     cluster = Cluster(cfgs[0])
     t = time.time()
     ref_dir, end_dir = out / "state-before", out / "state-after"
@@ -242,7 +236,7 @@ def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bound
                 away = back + 1 if back == r0 else back - 1
                 for target in (away, back):
                     r = bench.optimized(cluster, target, numel, warmup=trip == 0)
-                    print(f"  {'(warm-up)' if trip == 0 else 'optimized'} {r['direction']:15s} bound {_fmt_bytes(r['staging_bytes']):>8s}: critical "
+                    print(f"  {'(warm-up)' if trip == 0 else 'optimized'} {r['direction']:15s} bound {fmt_bytes(r['staging_bytes']):>8s}: critical "
                           f"{r['critical_s']:.3f} s, total {r['total_s']:.3f} s", flush=True)
             if naive_done >= num_naive:
                 break
@@ -263,149 +257,14 @@ def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bound
         bench.recorder.close()
         for d in (ref_dir, end_dir):
             shutil.rmtree(d, ignore_errors=True)
-    summary = _summarize(bench, numel, bounds, primary, start_s, warm, preserved, repeats)
+    summary = summarize(bench, numel, bounds, primary, start_s, warm, preserved, repeats)
     from dynaresize.roles.base import resolve_engine
 
     summary["rollout_engine"] = resolve_engine(cfgs[0])
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(bench, out / "resize_timeline.png", primary)
+    plot_timeline(bench, out / "resize_timeline.png", primary)
     print(format_table(summary), flush=True)
     return summary
-
-
-def _by(items: list[dict], key: str) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for it in items:
-        out.setdefault(it[key], []).append(it)
-    return out
-
-
-def _op_medians(resizes: list[dict], critical: bool) -> dict[str, float]:
-    """Median over resizes of each op's span (first start to last end over its devices)."""
-    per: dict[str, list[float]] = {}
-    for r in resizes:
-        spans: dict[str, list[float]] = {}
-        for op in r["ops"]:
-            if op["critical"] == critical:
-                s = spans.setdefault(op["name"], [op["t0"], op["t1"]])
-                s[0], s[1] = min(s[0], op["t0"]), max(s[1], op["t1"])
-        for name, (a, b) in spans.items():
-            per.setdefault(name, []).append(b - a)
-    return {name: _median(v) for name, v in per.items()}
-
-
-def _summarize(bench: _Bench, numel: int, bounds, primary: int, start_s: float, warm: dict | None,
-               preserved: bool, repeats: int) -> dict:
-    every = [r for r in bench.resizes if r["path"] == "optimized"]  # warm-ups too: bounds and groups
-    opt = [r for r in every if not r["warmup"]]
-    naive = [r for r in bench.resizes if r["path"] == "naive"]
-    head = [r for r in opt if r["staging_bytes"] == primary]
-    opt_dir, naive_dir = _by(head, "direction"), _by(naive, "direction")
-    crit_opt, crit_naive = _median([r["critical_s"] for r in head]), _median([r["critical_s"] for r in naive])
-    state_s = (_median([n.phase_s().get("save_checkpoint", 0.0) for n in bench.naive])
-               + (warm["reload_and_engines_s"] + warm["load_weights_s"] if warm else float("nan")))
-    per_bound = []
-    for b in bounds:
-        rs, all_rs = [r for r in opt if r["staging_bytes"] == b], [r for r in every if r["staging_bytes"] == b]
-        per_bound.append({"staging_bound_bytes": b,
-                          "peak_staging_bytes": max((r["peak_staging_bytes"] for r in all_rs), default=0),
-                          "critical_s_median": _median([r["critical_s"] for r in rs]),
-                          "total_s_median": _median([r["total_s"] for r in rs]), "num_resizes": len(rs),
-                          "within_bound": all(r["peak_staging_bytes"] <= b for r in all_rs)})
-    max_train = bench.devices - bench.initial_rollout
-    return {
-        "devices": bench.devices, "model": bench.model, "num_params": numel, "repeats": repeats,
-        "cluster_start_s": start_s, "staging_bound_bytes": primary,
-        "param_shard_bytes_min": numel // max_train * PARAM_BYTES_PER_ELEM,
-        "optimized": {
-            "critical_s_median": crit_opt, "total_s_median": _median([r["total_s"] for r in head]),
-            "groups_created_critical": sum(r["groups_created_critical"] for r in every),
-            "warmup_critical_s": [r["critical_s"] for r in every if r["warmup"]],
-            "peak_staging_bytes": max((r["peak_staging_bytes"] for r in every if r["staging_bytes"] == primary),
-                                      default=0),
-            "peak_staging_source": sorted({s for r in opt for s in r["peak_staging_source"]}),
-            "by_direction": {d: {"critical_s_median": _median([r["critical_s"] for r in rs]),
-                                 "total_s_median": _median([r["total_s"] for r in rs]), "num_resizes": len(rs),
-                                 "critical_ops_s": _op_medians(rs, True), "background_ops_s": _op_medians(rs, False)}
-                             for d, rs in sorted(opt_dir.items())},
-        },
-        "naive": {
-            "critical_s_median": crit_naive,
-            "groups_created_critical": sum(r["groups_created_critical"] for r in naive),
-            "checkpoint_bytes": max((r["checkpoint_bytes"] for r in naive), default=0),
-            "by_direction": {d: {"critical_s_median": _median([r["critical_s"] for r in rs]), "num_resizes": len(rs),
-                                 "phases_s": {k: _median([r["phases_s"][k] for r in rs if k in r["phases_s"]])
-                                              for k in rs[0]["phases_s"]}}
-                             for d, rs in sorted(naive_dir.items())},
-            "state_s": state_s, "process_s": crit_naive - state_s, "warm_reload": warm,
-        },
-        "speedup": crit_naive / crit_opt if crit_opt > 0 else float("inf"),
-        "speedup_by_direction": {d: _median([r["critical_s"] for r in naive_dir[d]])
-                                 / _median([r["critical_s"] for r in opt_dir[d]]) for d in naive_dir if d in opt_dir},
-        "bounds": per_bound,
-        "state_preserved": preserved,
-        "resizes": [{k: v for k, v in r.items()} for r in bench.resizes],
-    }
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("MiB", MIB), ("KiB", KIB)):
-        if n >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{int(n)} B"
-
-
-def format_table(s: dict) -> str:
-    o, n = s["optimized"], s["naive"]
-    lines = [f"\nresize bench: {s['devices']} devices, {s['num_params'] / 1e6:.2f}M params, "
-             f"staging bound {_fmt_bytes(s['staging_bound_bytes'])} (param shard >= {_fmt_bytes(s['param_shard_bytes_min'])})",
-             f"{'path':10s} {'direction':16s} {'critical s':>10s} {'total s':>9s} {'n':>3s}"]
-    for d, v in o["by_direction"].items():
-        lines.append(f"{'optimized':10s} {d:16s} {v['critical_s_median']:10.3f} {v['total_s_median']:9.3f} {v['num_resizes']:3d}")
-    for d, v in n["by_direction"].items():
-        lines.append(f"{'naive':10s} {d:16s} {v['critical_s_median']:10.3f} {v['critical_s_median']:9.3f} {v['num_resizes']:3d}")
-    sp = ", ".join(f"{d} {v:.1f}x" for d, v in s["speedup_by_direction"].items())
-    lines += [f"speedup (naive / optimized critical, medians): {s['speedup']:.1f}x ({sp})",
-              f"groups created on the critical path: optimized {o['groups_created_critical']}, naive {n['groups_created_critical']}",
-              f"naive: {n['process_s']:.2f} s process restart vs {n['state_s']:.2f} s state (save + warm reload + sync)",
-              "staging bound -> peak staging (critical s median, total s median):"]
-    for b in s["bounds"]:
-        lines.append(f"  {_fmt_bytes(b['staging_bound_bytes']):>9s} -> {_fmt_bytes(b['peak_staging_bytes']):>9s} "
-                     f"({b['critical_s_median']:.3f} s, {b['total_s_median']:.3f} s){'' if b['within_bound'] else '  OVER BOUND'}")
-    for d, v in o["by_direction"].items():
-        lines.append(f"optimized {d} critical ops (median s): "
-                     + ", ".join(f"{k} {x:.3f}" for k, x in v["critical_ops_s"].items()))
-    for d, v in n["by_direction"].items():
-        lines.append(f"naive {d} phases (median s): " + ", ".join(f"{k} {x:.2f}" for k, x in v["phases_s"].items()))
-    lines.append(f"trainer state preserved across all moves: {s['state_preserved']}")
-    return "\n".join(lines)
-
-
-def _plot(bench: _Bench, path: Path, primary: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    opt = [r for r in bench.resizes if r["path"] == "optimized" and r["staging_bytes"] == primary and not r["warmup"]]
-    shown = [rs[-1] for rs in _by(opt, "direction").values()] + [r for r in bench.resizes if r["path"] == "naive"][:1]
-    fig, axes = plt.subplots(len(shown), 1, figsize=(12, 2 + 2.2 * len(shown)), squeeze=False)
-    for ax, r in zip(axes[:, 0], shown):
-        ops = sorted(r["ops"], key=lambda op: (op["t0"], op["device"]))
-        for i, op in enumerate(ops):
-            ax.barh(i, max(op["t1"] - op["t0"], 1e-3), left=op["t0"], height=0.7,
-                    color="#C44E52" if op["critical"] else "#8DA0CB", edgecolor="black", linewidth=0.3)
-        ax.set_yticks(range(len(ops)))
-        ax.set_yticklabels([f"{op['name']} (d{op['device']})" if op["device"] >= 0 else op["name"] for op in ops],
-                           fontsize=7)
-        ax.invert_yaxis()
-        ax.axvline(r["critical_s"], color="#C44E52", linestyle="--", linewidth=1)
-        ax.set_title(f"{r['path']} {r['direction']}: critical {r['critical_s']:.2f} s (dashed), total "
-                     f"{r['total_s']:.2f} s; red = critical op, blue = background op", fontsize=9)
-        ax.set_xlabel("seconds since the resize decision")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -85,10 +85,9 @@ def job_configs(args: argparse.Namespace) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     from dynaresize.config_load import config_to_dict
-    from dynaresize.emulate.predict import predict
-    from dynaresize.records import Recorder, read_records
     from dynaresize.driver.run import run_job
-    from dynaresize.records import safe_name
+    from dynaresize.emulate.predict import predict
+    from dynaresize.records import Recorder, read_records, safe_name
 
     configs = job_configs(args)
     out = Path(args.out)

@@ -112,8 +112,8 @@ def _check_faults(cfg) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dynaresize.errors import RewardError, UserError
     from dynaresize.driver.recovery import RunStopped
+    from dynaresize.errors import RewardError, UserError
 
     point = None
     if getattr(args, "resume", None):

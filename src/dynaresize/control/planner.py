@@ -2,7 +2,7 @@
 
 A plan is a pure value computed the same way by the simulator and the real runtime, whose
 executor runs the ops by name. The op names below are the contract between this planner, the
-simulator's cost model (`sim.costs.op_cost`) and the runtime executor; do not rename them.
+simulator's cost model (`costmodel.costs.op_cost`) and the runtime executor; do not rename them.
 
 Which devices move (deterministic, so every rank computes the same plan):
 - growing the rollout pool: the lowest-numbered training devices become rollout devices;

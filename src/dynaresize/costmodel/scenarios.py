@@ -16,9 +16,9 @@ from typing import Callable
 import numpy as np
 
 from dynaresize.config import PolicyConfig
-from dynaresize.errors import ConfigError
 from dynaresize.costmodel.costs import Hardware, ModelPreset, get_model, min_train_devices
 from dynaresize.costmodel.stages import Batch, StageModel
+from dynaresize.errors import ConfigError
 from dynaresize.types import Bounds
 from dynaresize.workload import SAMPLES_PER_PROMPT, batch_for_step, get_workload
 
@@ -74,7 +74,7 @@ def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model:
     _check(num_devices, num_steps)
     prompts = prompts_per_step or PROMPTS_PER_DEVICE * num_devices
 
-    def batch_of(b: int) -> Batch:  # the runtime's emulator calls the same function (emulate.py)
+    def batch_of(b: int) -> Batch:  # the runtime's emulator calls the same function (emulate/model.py)
         return batch_for_step(workload, b, prompts * SAMPLES_PER_PROMPT, seed, samples_per_prompt=SAMPLES_PER_PROMPT,
                               horizon_steps=horizon_steps)
 

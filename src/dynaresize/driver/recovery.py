@@ -30,10 +30,10 @@ from typing import Any, NoReturn
 
 from dynaresize.cluster import regroup, snapshot
 from dynaresize.cluster.watchdog import DevicesLost
-from dynaresize.errors import DynaresizeError, ResizeRefused
 from dynaresize.driver.ledger import sample_record, token_sha1
-from dynaresize.rl.seeds import sample_seed
+from dynaresize.errors import DynaresizeError, ResizeRefused
 from dynaresize.pipeline.stepstate import Window, rollout_version
+from dynaresize.rl.seeds import sample_seed
 
 MAX_ATTEMPTS = 3  # a further loss during recovery starts it again on the fewer survivors
 

@@ -7,8 +7,8 @@ Top loop (`Run.run`), one window per step k:
     -> StepReport -> Controller.on_report -> resize plan (critical ops now, background later)
 
 With `train.staleness = 0` the rollout of k+1 starts after the sync instead (synchronous).
-With `train.staleness = eta >= 2` the window is streaming.py's: rollout runs up to eta steps
-ahead of training, requests in flight across windows (bounds stated there and in streamplan.py).
+With `train.staleness = eta >= 2` the window is driver/streaming.py's: rollout runs up to eta steps
+ahead of training, requests in flight across windows (bounds stated there and in pipeline/streamplan.py).
 The same `Controller` drives the simulator; both emit the same records (docs/records.md).
 
 Semantics (README.md, "How it works") are kept by `Job` (what to generate and how to score is a
@@ -23,12 +23,10 @@ final, and on a stop) are written from the same snapshots; `--resume` starts fro
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from dynaresize.driver.checkpointing import Checkpointer, ResumePoint, end_partial_line, resume_records
 from dynaresize.cluster import snapshot
 from dynaresize.cluster.cluster import Cluster, ResizeOutcome
 from dynaresize.cluster.faults import parse_faults
@@ -37,27 +35,28 @@ from dynaresize.config import RunConfig
 from dynaresize.config_load import config_to_dict
 from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
-from dynaresize.emulate.model import run_bounds
-from dynaresize.errors import RewardError
+from dynaresize.driver.checkpointing import Checkpointer, ResumePoint, end_partial_line, resume_records
 from dynaresize.driver.evaluation import Evaluator
 from dynaresize.driver.job import Job, ScoredStep
 from dynaresize.driver.ledger import Ledger, sample_record
+from dynaresize.driver.recovery import Recovery, stop_run
+from dynaresize.driver.step_report import StepReporting
+from dynaresize.emulate.clock import StepTiming
+from dynaresize.emulate.model import run_bounds
+from dynaresize.errors import RewardError
 from dynaresize.metrics import resize_counts, throughput_fields
+from dynaresize.pipeline.stepstate import StepRollout, Window, rollout_version
 from dynaresize.policy.base import make_policy
 from dynaresize.records import Recorder
-from dynaresize.driver.recovery import Recovery, stop_run
 from dynaresize.rl import grpo
 from dynaresize.roles.base import auto_hf_reason, resolve_engine
-from dynaresize.pipeline.stepstate import StepRollout, Window, rollout_version
-from dynaresize.emulate.clock import StepTiming
 from dynaresize.tracking import check_backends, open_sinks
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan, StepReport
-
 
 OP_EXTRAS = ("peak_staging_bytes", "kv_cache_bytes")  # op-record fields only some ops have
 
 
-class Run:
+class Run(StepReporting):
     """One job's driver state: records, ledger, controller, the device cluster and snapshots."""
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, progress: bool = True,
@@ -100,7 +99,7 @@ class Run:
         self.engine_version = rollout_version(self.start_step, cfg.train.staleness)  # what rollout devices hold
         self.recovery, self.ckpt = Recovery(self), Checkpointer(self)
         self.stream = None
-        if cfg.train.staleness >= 2:  # the streaming pipeline (streaming.py)
+        if cfg.train.staleness >= 2:  # the streaming pipeline (driver/streaming.py)
             from dynaresize.driver.streaming import Streaming
 
             self.stream = Streaming(self)
@@ -144,7 +143,7 @@ class Run:
             while w.step < self.cfg.steps:
                 try:
                     self.stream.window(w) if self.stream else self._window(w)
-                    if self.evaluator.due(w.step):  # between windows: the pipeline is drained (evaluation.py)
+                    if self.evaluator.due(w.step):  # between windows: the pipeline is drained (driver/evaluation.py)
                         if self.stream:
                             self.stream.before_eval(w.step)
                         self.evaluator.run(w.step, self.cluster, self.rec.emit, self.rel)
@@ -280,78 +279,6 @@ class Run:
                               end_s=self.rel(st["t_wait"]), step=step, cat="train")
         return stats
 
-    def _report(self, w: Window) -> StepReport:
-        a, step, scored, train_stats, sync = self.assignment, w.step, w.scored, w.trained, w.synced
-        if self.stream:  # the engine calls of the window, and step k's own rollout latency
-            rolled, prologue, rolled_step = self.stream.window_rollout(step, w.t0), None, step
-        else:
-            rolled = self.rollouts.get(step + 1) if step + 1 < self.cfg.steps else None
-            prologue, rolled_step = self.rollouts.get(step), step + 1 if rolled else None
-        t_end = time.time()
-        c = self.timing.clock  # wall -> the run's seconds (emulated ones with cluster.emulate: steptiming.py)
-        if self.stream:  # trained in parts as the step's samples arrived (accumulate.py)
-            train_s, train_busy, train_tail = self.stream.train_times(step, a.num_train)
-        else:
-            train_s = c.span(min(s["t0"] for s in train_stats), max(s["t1"] for s in train_stats))
-            train_busy = sum(c.span(s["t0"], s["t1"]) for s in train_stats)
-        sync_s = c.span(min(s["t0"] for s in sync), max(s["t1"] for s in sync)) if sync else 0.0
-        for s in sync:
-            self.rec.emit("span", device=s["device"], name="weight_sync", start_s=self.rel(s["t0"]),
-                          end_s=self.rel(s["t1"]), step=step)
-        rollout_s = c.span(rolled.t0, rolled.t1) if rolled else 0.0
-        calls = rolled.calls if rolled else []
-        rollout_work = sum(c.span(t0, t1) for _, t0, t1 in calls)
-        busy = train_busy + rollout_work
-        window = c.span(w.t0, t_end)
-        tail_idle = sum(c.span(rolled.last_end[d], rolled.t1) for d in rolled.busy_s) if rolled else 0.0
-        longest = max((c.span(t0, t1) for _, t0, t1 in calls), default=0.0)
-        timing = self.timing.step(window_t0=w.t0, t_end=t_end, prologue=prologue, rolled=rolled,
-                                  train_stats=train_stats, sync=sync, step=step,
-                                  stage_calls=self.cluster.pacing.take_stage_calls())  # work, overhead (steptiming.py)
-        report = StepReport(
-            step=step, now_s=self.rel(t_end), num_rollout=a.num_rollout, num_train=a.num_train,
-            rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, step_s=window,
-            rollout_work_s=rollout_work, rollout_longest_s=longest,
-            rollout_floor_s=longest, num_samples=len(scored.samples), response_tokens=scored.num_tokens,
-            idle_device_s=max(0.0, a.num_devices * window - busy), tail_idle_device_s=tail_idle,
-            resize_critical_s=self.last_critical_s, rollout_longest_tokens=scored.longest_tokens,
-            **(self._stream_fields(step, scored, sync, train_tail) if self.stream else
-               self._train_tokens(step, scored, rolled)))
-        report = self.timing.report(report, rolled_step)
-        self.last_critical_s = None
-        self.stats["idle_device_s"] += report.idle_device_s
-        self.stats["tail_idle_device_s"] += tail_idle
-        self.rec.emit("step", step=step, t_start_s=self.rel(w.t0), t_end_s=self.rel(t_end),
-                      rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, num_rollout=a.num_rollout,
-                      num_train=a.num_train, idle_device_s=report.idle_device_s, tail_idle_device_s=tail_idle,
-                      reward_mean=scored.mean_reward, response_tokens=scored.num_tokens, version=step + 1,
-                      reward_std=statistics.pstdev([self.ledger.entries[s.sample_id].reward for s in scored.samples]),
-                      response_len_mean=scored.num_tokens / max(1, len(scored.samples)),
-                      response_len_max=scored.longest_tokens,
-                      rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
-                      **({"rollout_chunks": report.rollout_chunks} if self.stream else {}),
-                      recoveries=w.recoveries, **train_fields(train_stats), **timing)
-        return report
-
-    def _train_tokens(self, step: int, scored: ScoredStep, rolled: Any) -> dict:
-        """One-step-off: the training demand, in sequence tokens, of the batch just trained and of
-        the one the next step trains (rolled out in this window, so known before the decision)."""
-        out = {"train_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in scored.samples)}
-        if rolled is not None:
-            prompts = {r.sample_id: len(r.prompt_ids) for g in self.job.requests(step + 1) for r in g}
-            out["next_train_tokens"] = sum(prompts.get(res.sample_id, 0) + len(res.response_ids)
-                                           for _, res in rolled.results)
-        return out
-
-    def _stream_fields(self, step: int, scored: ScoredStep, pulls: list[dict], train_tail: float) -> dict:
-        """What the streaming throughput model reads (`policy.model.StreamStageModel`): the
-        step's response lengths, how many engine calls it was cut into, the device-seconds
-        engines spent pulling weights in the window, and the training after its last sample."""
-        c = self.timing.clock
-        return {"response_lengths": tuple(len(s.response_ids) for s in scored.samples), "train_tail_s": train_tail,
-                "rollout_chunks": self.stream.router.items_per_step.pop(step, 0),
-                "rollout_sync_s": sum(c.span(p["t0"], p["t1"]) for p in pulls)}
-
     def _decide(self, step: int, report: StepReport) -> None:
         commands = self.controller.on_report(report)
         self.rec.emit("decision", step=step, **decision_fields(self.controller),
@@ -433,7 +360,7 @@ class Run:
             "rollout_engine_why": auto_hf_reason(self.cfg) if self.cfg.rollout.engine == "auto" else None,
             "eval": self.evaluator.last,
         }
-        timing = self.timing.summary(total_s)  # time unit, overhead, overruns (steptiming.py)
+        timing = self.timing.summary(total_s)  # time unit, overhead, overruns (emulate/clock.py)
         # Emulated: the steps' emulated seconds (startup left out), the time the simulator predicts.
         summary.update(throughput_fields(num_devices=self.cfg.cluster.devices,
                                          total_time_s=timing.pop("steps_total_s", None) or total_s,
@@ -456,15 +383,6 @@ class Run:
         model = build_model(self.cfg.model)
         model.load_state_dict(complete_state_dict(state, model), strict=True)
         save_hf(model, self.job.tokenizer, self.out / "checkpoint")
-
-
-def train_fields(stats: list[dict]) -> dict:
-    """A step's training metrics for its record: the loss and its statistics (reduced over the
-    trainers, so every trainer reports the same), and the largest state one trainer held."""
-    first = stats[0]
-    out = {k: first[k] for k in ("loss", "grad_norm", "kl", "entropy", "clip_frac", "lr") if k in first}
-    out["train_state_bytes_max"] = max(int(s.get("train_state_bytes", 0)) for s in stats)
-    return out
 
 
 def _progress(total: int, enabled: bool, initial: int = 0) -> Any:

@@ -6,7 +6,7 @@ Window k of `Run.run` under streaming (the one-step-off window is `Run._window`)
     -> the router generates steps k .. k+eta (a driver thread)  ||  the trainers train step k
        as its samples arrive: each prompt group scored once complete, each micro-batch trained
        once its groups are (forward/backward, gradient accumulated), the optimizer step after
-       the last one (accumulate.py: the update equals training the whole step at once)
+       the last one (driver/accumulate.py: the update equals training the whole step at once)
     -> version k+1 exists (snapshot, and its digest in deterministic mode)
     -> StepReport -> Controller.on_report -> resize plan
 
@@ -14,7 +14,7 @@ Requests stay in flight across windows: nothing waits for a step's longest respo
 the training of that very step. Which weights generate a sample depends only on its step
 (version max(0, s - eta)), so a run with resizes equals a static run with the same eta.
 
-Bounds (streamplan.py states and checks them): in window k at most eta+1 steps are in rollout
+Bounds (pipeline/streamplan.py states and checks them): in window k at most eta+1 steps are in rollout
 (k .. k+eta) and buffered unconsumed; engines generate with versions max(0, k-eta) .. k, one at
 a time each; the driver keeps the weights of versions max(0, k-eta) .. k+1.
 
@@ -34,8 +34,8 @@ import threading
 import time
 from typing import Any
 
-from dynaresize.driver.accumulate import StepAccumulator
 from dynaresize.cluster.router import WAKE_S, StreamRouter
+from dynaresize.driver.accumulate import StepAccumulator
 from dynaresize.pipeline.stepstate import StepRollout, Window
 from dynaresize.pipeline.streamplan import released_through
 from dynaresize.types import ROLLOUT, ResizePlan

@@ -10,16 +10,16 @@ changes the compute each pool has, as it does on a GPU cluster.
 Every duration comes from the cost model's functions that the simulator uses, so the simulator and the emulated
 runtime share one cost model and can be checked against each other (`dynaresize compare`):
 - rollout: the rollout devices are the simulator's continuous-batching replicas
-  (`sim.stages.StageModel.replica_detail`): sample i of the step (prompt-major order) goes to
+  (`costmodel.stages.StageModel.replica_detail`): sample i of the step (prompt-major order) goes to
   replica i mod R/tp; a replica's time is its decode steps' weight reads plus its samples' KV
   reads, compute and prefill, with their *emulated* lengths: `workload.batch_for_step` of
   `rollout.length_workload` (a named workload at its own cap, or a trace file's lengths and
-  prompts; job.py calls the same `workload.lengths_for_step` at `rollout.max_new_tokens` for
+  prompts; driver/job.py calls the same `workload.lengths_for_step` at `rollout.max_new_tokens` for
   the real, few-token responses);
 - training: `StageModel.train(step, num_train)` (6N FLOPs per token plus attention and the
   old-log-prob pass, over the training devices, plus the fixed exposed time);
-- weight sync: `sim.costs.sync_s` (alpha + model bytes / bandwidth);
-- each resize op by name (cluster/resize_ops.py HANDLERS): `sim.costs.op_cost`.
+- weight sync: `costmodel.costs.sync_s` (alpha + model bytes / bandwidth);
+- each resize op by name (cluster/resize_ops.py HANDLERS): `costmodel.costs.op_cost`.
 Bounds follow the simulator's rule (`Scenario.bounds`): a rollout replica is the move unit and
 the training state's memory floor is the least number of training devices.
 
@@ -76,7 +76,7 @@ def time_scale_of(cluster: Any) -> float:
 
 
 def emulated_bounds(target: Target, policy: Any, num_devices: int) -> Bounds:
-    """The simulator's bounds (`sim.scenarios.Scenario.bounds`) under the user's policy limits:
+    """The simulator's bounds (`costmodel.scenarios.Scenario.bounds`) under the user's policy limits:
     a rollout replica (tp devices) is the least rollout pool and the move unit, and the
     training state's memory floor the least training pool."""
     from dynaresize.costmodel.costs import min_train_devices
@@ -127,7 +127,7 @@ class Emulator:
 
     def batch(self, step: int) -> Batch:
         """The step's samples at their emulated lengths, in prompt-major order (sample (p, s) is
-        entry p * S + s): the same workload call as job.py's synthetic lengths
+        entry p * S + s): the same workload call as driver/job.py's synthetic lengths
         (`workload.lengths_for_step`), at the workload's own lengths instead of
         `rollout.max_new_tokens`."""
         return batch_for_step(self.workload, step, self.prompts_per_step * self.samples_per_prompt, self.seed,

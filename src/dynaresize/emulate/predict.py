@@ -23,7 +23,7 @@ def _start(policy: Any, cfg: Any) -> int:
 
 
 def start_split(cfg: Any) -> int:
-    """The rollout devices a run of `cfg` starts with (as `runtime.Run` picks them)."""
+    """The rollout devices a run of `cfg` starts with (as `driver.run.Run` picks them)."""
     from dynaresize.policy.base import make_policy
 
     return _start(make_policy(cfg.policy, run_bounds(cfg), num_steps=cfg.steps), cfg)

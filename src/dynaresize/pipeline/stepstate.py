@@ -35,7 +35,7 @@ class StepRollout:
         return not self.remaining
 
     def absorb(self, outcome: Any) -> list[tuple[int, float, float]]:
-        """Add one attempt's outcome (cluster.RolloutOutcome); returns its engine calls."""
+        """Add one attempt's outcome (cluster.stages.RolloutOutcome); returns its engine calls."""
         self.results.extend(outcome.results)
         self.calls.extend(outcome.calls)
         for d, s in outcome.busy_s.items():

@@ -1,6 +1,6 @@
 """The product's policy: move only when a persistent, predicted gain beats the measured cost.
 
-On every report the policy refits its online stage model (`policy.model`) and asks: at which
+On every report the policy refits its online stage model (`policy.model`; `policy.stream_model` under streaming) and asks: at which
 legal split would the step be fastest over the next `horizon_steps` steps (trends extrapolated
 to mid-horizon)? Among splits within `NEAR_BEST` of the best it takes the one closest to the
 current split (no move for a noise-level difference). Then:
@@ -35,7 +35,8 @@ import numpy as np
 
 from dynaresize.config import PolicyConfig
 from dynaresize.control.window import Persistence
-from dynaresize.policy.model import OnlineStageModel, StreamStageModel
+from dynaresize.policy.model import OnlineStageModel
+from dynaresize.policy.stream_model import StreamStageModel
 from dynaresize.types import Bounds, Decision, Keep, StepReport, move_to
 
 NEAR_BEST = 0.005  # splits predicted within 0.5% of the best count as equally good

@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from dynaresize.metrics import number, split_text, step_scalars
 from dynaresize.report import run_figures as rf
 from dynaresize.report.load import RunRecords, load_runs
-from dynaresize.metrics import number, split_text, step_scalars
 from dynaresize.report.mpl import figure_data_uri, file_data_uri
 
 MAX_GANTT = 12  # per run; a simulation's policies get SIM_GANTT each

@@ -1,7 +1,7 @@
 """Figures of one run's records, for the HTML report: each function returns a matplotlib Figure.
 
 Read only. x is the step number everywhere except the resize Gantt chart (seconds from the
-resize decision). Derived quantities (step time, idle fractions) come from `report.metrics`,
+resize decision). Derived quantities (step time, idle fractions) come from `metrics`,
 the definitions the experiment trackers use too.
 """
 

@@ -20,12 +20,10 @@ tests/dist/test_rollout_vllm.py). Log-probs are vLLM's `processed_logprobs` of t
 tokens: log_softmax(logits / temperature), as the HF engine returns. Numerics differ slightly
 with batch composition (CPU: up to ~3e-5), unlike the HF engine's fixed-shape batches.
 
-Process state: vLLM's CPU worker replaces `torch.set_num_threads` by a no-op, reseeds the
-global RNGs and sets environment variables (LD_PRELOAD among them) when it starts. Every
-entry point here restores the thread function and count, the RNG states and the environment,
-so the worker's own math and later subprocesses are unaffected. Its torch.distributed set-up
-is kept apart from the worker's world by `roles/vllm_world.py`, its weights' chunking, digests
-and worker-side reads by `roles/vllm_weights.py`. One engine per process.
+Process state: every entry point restores what vLLM changes in the process when it starts
+(`roles/vllm_process.py`). Its torch.distributed set-up is kept apart from the worker's world
+by `roles/vllm_world.py`, its weights' chunking, digests and worker-side reads by
+`roles/vllm_weights.py`. One engine per process.
 """
 
 from __future__ import annotations
@@ -33,85 +31,21 @@ from __future__ import annotations
 import gc
 import itertools
 import os
-import random
 import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from dynaresize.config import ModelConfig
 from dynaresize.roles.base import GenRequest, GenResult, vllm_model_problem
+from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_weights import (_rpc_digest, _rpc_kv_cache_bytes, _rpc_redispatch_tied_head, _rpc_reload,
                                            _rpc_weight_shapes, weight_chunks)
 
 # Set for the engine's creation: in-process engine core (no subprocess), no usage reporting.
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-# Removed for the engine's creation: it would override `kv_cache_bytes` (in whole GiB).
-OVERRIDING_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
-
-
-# ---------------------------------------------------------------- process state
-
-
-@contextmanager
-def preserve_process_state(*, env: bool = True):
-    """Restore torch's thread function and count, the global RNGs and (optionally) the
-    environment after the block: vLLM changes all of them when it starts."""
-    import numpy as np
-
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    py_rng, np_rng, torch_rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    saved_env = dict(os.environ) if env else None
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        random.setstate(py_rng)
-        np.random.set_state(np_rng)
-        torch.set_rng_state(torch_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        if saved_env is not None:
-            _restore_env(saved_env)
-
-
-def _restore_env(saved: dict[str, str]) -> None:
-    """Undo environment changes, except new VLLM_* variables (vLLM's own, read again later)."""
-    for key in list(os.environ):
-        if key not in saved and not key.startswith("VLLM_"):
-            del os.environ[key]
-    for key, value in saved.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
-
-
-_patched_ranks = False
-
-
-def _eager_token_ranks() -> None:
-    """On CPU, compute the sampled tokens' ranks (which log-prob requests make vLLM return)
-    eagerly instead of through its `torch.compile`d helper: compiling it costs 3-14 s on the
-    first request of every process (measured, 2 cores) and needs a C++ compiler. Same result
-    (a count of `x >= value` per row); the only cost is a (rows x vocab) bool temporary."""
-    global _patched_ranks
-    if _patched_ranks or torch.cuda.is_available():
-        return
-    from vllm.v1.sample import sampler
-
-    def batched_count_greater_than(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return (x >= values).sum(-1)
-
-    sampler.batched_count_greater_than = batched_count_greater_than
-    _patched_ranks = True
-
-
 # ---------------------------------------------------------------- the engine
 
 
@@ -171,34 +105,6 @@ class VLLMRolloutEngine:
         self._request_ids = itertools.count()
 
     # -- lifecycle ---------------------------------------------------------------------------
-    @staticmethod
-    def preload() -> float:
-        """Import the vLLM modules an engine's first start needs; returns the seconds taken.
-
-        Most of a process's first `start` is imports: on the 2-core CPU machine a first start
-        took 8-24 s, and 1.3 s after `preload` (docs/rollout.md, section 4). A worker that may become a rollout device can call
-        this when it starts, or in a background thread, so no resize pays for them. Safe to
-        call more than once and without an engine: imports only (no engine, no
-        torch.distributed); they touch neither the RNGs nor the thread count (checked), and the
-        environment variables they set are undone.
-        """
-        import importlib
-
-        t0 = time.perf_counter()
-        worker = "vllm.v1.worker.gpu_worker" if torch.cuda.is_available() else "vllm.v1.worker.cpu_worker"
-        saved_env = dict(os.environ)
-        try:
-            for name in ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core", worker,
-                         "vllm.v1.sample.sampler", "vllm.model_executor.model_loader",
-                         "vllm.model_executor.models.qwen2", "vllm.model_executor.models.llama"):
-                try:
-                    importlib.import_module(name)
-                except Exception:  # a module this build lacks: the start imports what it needs
-                    pass
-        finally:
-            _restore_env(saved_env)
-        return time.perf_counter() - t0
-
     @property
     def loaded(self) -> bool:
         return self._llm is not None
@@ -226,7 +132,7 @@ class VLLMRolloutEngine:
             from dynaresize.roles.vllm_world import install_safe_cleanup, vllm_world
 
             install_safe_cleanup()
-            _eager_token_ranks()
+            eager_token_ranks()
             kwargs = self.engine_kwargs()
             # vLLM runs full garbage collections while it starts (~0.6 s each over a worker's
             # heap, measured: 2-3 s per start); with the existing heap frozen they only walk

@@ -38,97 +38,18 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dynaresize.config import ModelConfig
 from dynaresize.reshard.layout import RowChunkLayout
-from dynaresize.roles.train_state import OptimSettings, adamw_update_, mix_seed
+from dynaresize.roles.train_spec import DTYPES, MOMENT_KINDS, REF_KIND, TrainerSpec, empty_model
+from dynaresize.roles.train_state import adamw_update_, mix_seed
 
-MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
-STATE_KINDS = ("param", *MOMENT_KINDS)
-REF_KIND = "ref"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Mapping[str, float]]]
 _STAT_NAMES = ("loss_sum", "num_tokens", "entropy_sum", "kl_sum", "clipped_tokens", "micro_batches")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerSpec:
-    """What every trainer of a run agrees on."""
-
-    model: ModelConfig
-    optim: OptimSettings
-    compute_dtype: str = "fp32"  # fp32 | bf16
-    deterministic: bool = False
-    activation_checkpointing: bool = False
-    with_ref: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.compute_dtype not in DTYPES:
-            raise ValueError(f"compute_dtype {self.compute_dtype!r}: must be fp32 or bf16")
-        if self.deterministic and self.compute_dtype != "fp32":
-            raise ValueError("deterministic mode needs compute_dtype fp32")
-
-    @property
-    def master_dtype(self) -> torch.dtype:
-        return torch.float64 if self.deterministic else torch.float32
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "TrainerSpec":
-        """The spec of a run (`config.RunConfig`): schedule over the run's steps."""
-        t = cfg.train
-        optim = OptimSettings.from_config(t, schedule=t.lr_schedule, total_steps=cfg.steps)
-        return cls(model=cfg.model, optim=optim, compute_dtype=t.dtype, deterministic=cfg.deterministic,
-                   activation_checkpointing=t.activation_checkpointing, with_ref=t.kl_coef > 0, seed=cfg.seed)
-
-    def kinds(self) -> tuple[str, ...]:
-        """State kinds a trainer holds (the reshard moves all of them)."""
-        return STATE_KINDS + ((REF_KIND,) if self.with_ref else ())
-
-    def dtype_of(self, kind: str) -> torch.dtype:
-        return torch.float32 if kind == REF_KIND else self.master_dtype
-
-
-@contextlib.contextmanager
-def _params_on_meta() -> Iterator[None]:
-    """Build a module with its parameters on the meta device and its buffers real (rotary
-    tables and the like are computed at construction and must survive `to_empty`)."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
-
-
-def empty_model(model_cfg: ModelConfig) -> nn.Module:
-    """The policy's module with parameters on meta (no weights read or initialised)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from dynaresize.rl.models import qwen2_config
-
-    hf_cfg = AutoConfig.from_pretrained(model_cfg.path) if model_cfg.path else qwen2_config(model_cfg)
-    hf_cfg._attn_implementation = "sdpa"
-    with _params_on_meta():
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-    return model
-
-
-def param_shapes(model_cfg: ModelConfig) -> list[tuple[int, ...]]:
-    """Shapes of the trainable parameters in flattening order (tied weights once)."""
-    return [tuple(p.shape) for p in empty_model(model_cfg).parameters()]
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -460,23 +381,3 @@ class FSDPTrainer:
         for m in (self.model, self.ref):
             if m is not None:
                 m.reshard()
-
-
-def move_state(old: FSDPTrainer | None, new: FSDPTrainer | None, *, kinds: Sequence[str], old_layout: Any,
-               new_layout: Any, rank: int, spec: TrainerSpec, staging_bytes: int, group: Any = None,
-               old_pieces: Mapping[str, Sequence[torch.Tensor]] | None = None) -> Any:
-    """Move `kinds` of trainer state from `old`'s shards to `new`'s, through the bounded staging
-    buffer (reshard.execute), writing straight into `new`'s storage. Called on every rank of
-    either layout; `old_pieces` overrides `old.pieces` (moments kept after the old trainer went).
-    Returns the `ReshardStats`."""
-    from dynaresize.reshard.execute import reshard
-
-    src = {k: old_pieces[k] for k in kinds} if old_pieces is not None else (
-        {k: old.pieces(k) for k in kinds} if old is not None else None)
-    out = {k: new.pieces(k) for k in kinds} if new is not None else None
-    device = new.device if new is not None else (old.device if old is not None else None)
-    _, stats = reshard(src, old_layout=old_layout, new_layout=new_layout, rank=rank, staging_bytes=staging_bytes,
-                       out=out, group=group, kinds=kinds, dtypes={k: spec.dtype_of(k) for k in kinds}, device=device)
-    if new is not None:
-        new.mark_loaded(kinds)
-    return stats

@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
-from dynaresize.metrics import throughput_fields
-from dynaresize.sim.resize import ResizeTiming, lend_step, time_plan
 from dynaresize.costmodel.scenarios import Scenario
 from dynaresize.costmodel.stages import StageModel
+from dynaresize.metrics import throughput_fields
+from dynaresize.sim.resize import ResizeTiming, lend_step, time_plan
 from dynaresize.types import Assignment, Bounds, ResizePlan, StepReport
 
 

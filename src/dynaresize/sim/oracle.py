@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynaresize.costmodel.costs import publish_s
-from dynaresize.sim.resize import canonical_timing
 from dynaresize.costmodel.stages import StageModel
+from dynaresize.sim.resize import canonical_timing
 from dynaresize.types import Bounds
 
 MAX_SPLITS = 64

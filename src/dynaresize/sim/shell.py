@@ -20,16 +20,16 @@ from pathlib import Path
 from typing import Callable
 
 from dynaresize.config import PolicyConfig
+from dynaresize.costmodel.costs import naive_resize_cost
+from dynaresize.costmodel.scenarios import Scenario
 from dynaresize.errors import ConfigError
 from dynaresize.policy.base import make_policy
 from dynaresize.policy.baselines import Planned
 from dynaresize.records import Recorder, safe_name
-from dynaresize.costmodel.costs import naive_resize_cost
 from dynaresize.sim.engine import PolicyResult, run_policy
 from dynaresize.sim.oracle import (best_static, build_table, grid, oracle_plan, pilot_split, stream_best_static,
                                    stream_pilot_split)
 from dynaresize.sim.resize import canonical_timing
-from dynaresize.costmodel.scenarios import Scenario
 from dynaresize.sim.stream import run_stream
 
 DEFAULT_POLICIES = ("static-profiled", "best-static", "hysteresis", "greedy", "lend", "oracle")

@@ -24,8 +24,8 @@ Semantics (issue 11):
   the fixed part (optimizer step, exposed communication) follows the step's last chunk. Without
   accumulate training step k starts when every chunk of step k has ended. Either way a step's
   compute is the same (`train_s` reports it, waits excluded); when training ends the trainers
-  publish version k+1 (`costs.publish_s`) and the controller gets step k's report. Which
-  weights generate a sample depends only on its step.
+  publish version k+1 (`costs.publish_s`) and the controller gets step k's report
+  (`sim.stream_train`). Which weights generate a sample depends only on its step.
 
 Bounded window: step k is released only after training step k-eta-1 has ended, so at most
 eta+1 steps are in rollout at once and at most eta+1 steps' samples are buffered; every engine
@@ -71,13 +71,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dynaresize.control.controller import Controller, decision_fields
-from dynaresize.costmodel.costs import publish_s
-from dynaresize.sim.engine import PolicyResult, _Null
+from dynaresize.control.controller import Controller
 from dynaresize.costmodel.scenarios import Scenario
 from dynaresize.costmodel.stages import StageModel
+from dynaresize.sim.engine import PolicyResult, _Null
 from dynaresize.sim.stream_report import StreamAccounting
 from dynaresize.sim.stream_resize import StreamResizes, _Drain
+from dynaresize.sim.stream_train import StreamTraining
 from dynaresize.types import Assignment, Bounds
 
 
@@ -129,7 +129,7 @@ class _Step:
 
 
 
-class StreamEngine(StreamResizes, StreamAccounting):
+class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
     """One policy on the streaming pipeline; `run()` returns its PolicyResult."""
 
     def __init__(self, scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *, start_rollout: int,
@@ -322,99 +322,6 @@ class StreamEngine(StreamResizes, StreamAccounting):
                 self._finish_train(c.step, now)
             else:
                 self.try_train(now)
-
-    # ------------------------------------------------------------------ training
-
-    def try_train(self, now: float) -> None:
-        if self.trainers_busy or self.done:
-            return
-        if now < self.stall_until - 1e-12:
-            self.push(self.stall_until, "try_train")
-            return
-        d = self.drain
-        if d is not None and d.ready_s is not None and d.ready_s <= now + 1e-12:
-            self.apply_join(now)
-            return
-        k = self.train_next
-        st = self.steps.get(k)
-        if k >= self.K or st is None or (st.done_s is None and not self.accumulate):
-            return
-        n = self.num_train
-        self._flush_trainers(now)
-        self.trainer_idle_since = None
-        if self.accumulate:
-            self.trainers_busy = True
-            self.train_start[k] = (now, n)
-            self.tr_step, self.tr_cursor, self.tr_waited[k] = k, now, 0.0
-            self._feed(k, st.backlog, now)
-            st.backlog = 0.0
-            if st.done_s is not None:
-                self._finish_train(k, now)
-            return
-        dur = self.stages.train(k, n).time_s
-        if self.opt_ready is not None:
-            dur = max(dur, self.opt_ready - now)
-            self.opt_ready = None
-        self.trainers_busy = True
-        self.train_start[k] = (now, n)
-        self.train_dur[k] = dur
-        self.push(now + dur, "train_end", k)
-
-    def _feed(self, k: int, device_s: float, now: float) -> None:
-        """Accumulate: the trainers take `device_s` of step k's compute when they are free, from now."""
-        n = self.train_start[k][1]
-        if now > self.tr_cursor:
-            self.tr_waited[k] += (now - self.tr_cursor) * n
-            self.tr_cursor = now
-        self.tr_cursor += device_s / n
-
-    def _finish_train(self, k: int, now: float) -> None:
-        """Accumulate: every chunk of step k is in; the fixed part (optimizer step, exposed
-        communication) follows the last chunk's compute."""
-        start, n = self.train_start[k]
-        end = max(self.tr_cursor, now) + self.stages.model.train_comm_s
-        if self.opt_ready is not None:
-            end = max(end, self.opt_ready)
-            self.opt_ready = None
-        self.tr_step = None
-        self.train_dur[k] = end - start - self.tr_waited[k] / n  # compute only: what the policy fits
-        self.push(end, "train_end", k)
-
-    def on_train_end(self, now: float, k: int) -> None:
-        start, n = self.train_start[k]
-        waited = self.tr_waited.pop(k, 0.0)
-        self.train_busy += (now - start) * n - waited
-        self.train_wait += waited
-        self.train_next = k + 1
-        if k == self.K - 1:
-            self.publish[k] = 0.0
-            self.finish(now)
-            return
-        pub = publish_s(self.stages.model, n, self.stages.hw)
-        self.publish[k] = pub
-        self.train_busy += pub * n
-        self.push(now + pub, "published", k)
-
-    def on_published(self, now: float, k: int) -> None:
-        self.trainers_busy = False
-        self.trainer_idle_since = now
-        report = self.account(k, now)
-        if self.on_step is not None:
-            self.on_step(k)
-        for cmd in self.ctl.on_report(report):
-            self.apply(cmd, now, k)
-        self.rec.emit("decision", step=k, **decision_fields(self.ctl))
-        nxt = k + 1 + self.eta  # version k+1 now exists
-        if nxt < self.K:
-            self.release(nxt, now)
-        self.try_train(now)
-        self.dispatch(now)
-
-    def _flush_trainers(self, now: float) -> None:
-        if self.trainer_idle_since is not None and now > self.trainer_idle_since:
-            self.train_wait += (now - self.trainer_idle_since) * self.num_train
-            self.trainer_idle_since = now
-
 
     def add_replica(self, rid: int, now: float) -> None:
         """A device (group of tp devices) joined the rollout pool: a replica taking work from now."""

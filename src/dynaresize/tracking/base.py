@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from dynaresize.metrics import event_text, eval_scalars, number, resize_scalars, resize_text, step_scalars
+from dynaresize.metrics import eval_scalars, event_text, number, resize_scalars, resize_text, step_scalars
 
 
 class TrackerSink(ABC):

@@ -1,0 +1,152 @@
+"""The stages of a step on the cluster: rollout routed to the rollout devices, training on the
+training devices (whole, or in parts as a streaming step's samples arrive), and the weight sync
+from the training group's root to every rollout device. A mixin of `cluster.cluster.Cluster`:
+it uses the cluster's workers, assignment, pacing, watchdog and fault points.
+
+Rollout is continuous dispatch over prompt groups: each free rollout device takes the next
+group, so a device whose requests are done gets more work while any is left; a lost device's
+group goes back to the front of the queue with the same sample ids and seeds. Training gives
+micro-batch i of a step to the trainer at position i mod W (composition fixed by sample
+index). Every call's epoch times come back for the driver's `span` records.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynaresize.roles.base import GenRequest
+from dynaresize.types import ROLLOUT, TRAIN
+
+
+@dataclass
+class RolloutOutcome:
+    """Results of one rollout stage and how busy each rollout device was."""
+
+    results: list[tuple[int, Any]]  # (device, GenResult)
+    t0: float
+    t1: float
+    busy_s: dict[int, float]
+    last_end: dict[int, float]
+    calls: list[tuple[int, float, float]]  # (device, t0, t1) of every engine call
+    remaining: list[list[GenRequest]] = field(default_factory=list)  # groups no device was left for
+    reissued: list[tuple[int, int, int]] = field(default_factory=list)  # sample ids sent again after a loss
+
+
+class StagesMixin:
+    """Rollout, training and weight-sync methods of `Cluster` (see the module docstring)."""
+
+    def rollout_async(self, step: int, groups: list[list[GenRequest]]) -> Future:
+        """Run the rollout stage of `step` on a driver thread (it overlaps training)."""
+        return self._executor.submit(self.rollout, step, groups, self.assignment.devices(ROLLOUT))
+
+    def rollout(self, step: int, groups: list[list[GenRequest]], devices: tuple[int, ...]) -> RolloutOutcome:
+        """A router with continuous dispatch: each free rollout device takes the next prompt
+        group, so a device whose requests are done gets more work while any is left.
+
+        A lost device's group goes back to the front of the queue (same ids and seeds) and the
+        stage goes on with the other devices; groups left when no device is left come back in
+        `remaining`. Devices in the outcome are device ids (`ids`), not ranks."""
+        self.reach("rollout", step, devices[:len(groups)])
+        t0 = time.time()
+        ids = self.ids
+        queue = list(groups)
+        inflight: dict[Any, int] = {}
+        sent: dict[Any, list[GenRequest]] = {}
+        free = [d for d in devices if d not in self.watchdog.lost]
+        queue = self.pacing.rollout_chunks(step, queue, len(free))  # emulated: one batch per device
+        out: list[tuple[int, Any]] = []
+        busy = {ids[d]: 0.0 for d in devices}
+        last_end = {ids[d]: t0 for d in devices}
+        calls: list[tuple[int, float, float]] = []
+        reissued: list[tuple[int, int, int]] = []
+        tracker = self.watchdog.tracker(f"rollout {step}")
+        while queue or inflight:
+            while queue and free:
+                d = free.pop(0)
+                pace_s = getattr(queue[0], "pace_s", None)  # emulated busy seconds (pacing.py)
+                ref = self.pacing.call(self.workers[d], "generate", queue[0], step, pace_s=pace_s)
+                inflight[ref], sent[ref] = d, queue.pop(0)
+            if not inflight:
+                break  # groups left and no rollout device left: the caller recovers first
+            done, _ = tracker.poll(inflight, first=True)
+            for ref, d, ok, res in done:
+                sent.pop(ref)
+                if not ok:
+                    raise res  # the engine's own error, not a lost device: nothing to retry
+                self.pacing.note(res)
+                out.extend((ids[d], r) for r in res["results"])
+                busy[ids[d]] += res["t1"] - res["t0"]
+                last_end[ids[d]] = max(last_end[ids[d]], res["t1"])
+                calls.append((ids[d], res["t0"], res["t1"]))
+                free.append(d)
+            for ref in [r for r in sent if r not in inflight]:  # its device was lost
+                group = sent.pop(ref)
+                reissued += [req.sample_id for req in group]
+                queue.insert(0, group)
+            free = [d for d in free if d not in self.watchdog.lost]
+        return RolloutOutcome(results=out, t0=t0, t1=time.time(), busy_s=busy, last_end=last_end, calls=calls,
+                              remaining=queue, reissued=reissued)
+
+    def train(self, step: int, micro_batches: list[list[Any]], total_tokens: int) -> list[dict]:
+        """One training step: micro-batch i goes to the (i mod W)-th training device."""
+        devices = self.assignment.devices(TRAIN)
+        per = self._by_position(list(enumerate(micro_batches)), devices)
+        self.reach("train", step, devices)
+        pace_s = self.pacing.train_s(step, len(devices))
+        refs = [self.pacing.call(self.workers[d], "train", step, per[d], len(micro_batches), total_tokens,
+                                 pace_s=pace_s) for d in devices]
+        return self._train_wait(step, devices, refs, last=True)
+
+    def train_part(self, step: int, micro_batches: list[tuple[int, list[Any]]], *, begin: bool,
+                   num_micro_batches: int, total_tokens: int | None) -> list[dict]:
+        """Part of a streaming step's training (the trainers accumulate as its groups arrive):
+        micro-batches (index, samples) of the step, micro-batch i on the (i mod W)-th training
+        device as in `train`; the part with `total_tokens` applies the optimizer step
+        (`DeviceWorker.train_part`). Emulated, paced to these samples' share of the step's
+        training compute, plus the fixed exposed time on the last part."""
+        devices = self.assignment.devices(TRAIN)
+        per = self._by_position(micro_batches, devices)
+        rounds = max((len(v) for v in per.values()), default=0)
+        if begin:
+            self.reach("train", step, devices)
+        samples = [s for _, mb in micro_batches for s in mb]
+        pace_s = self.pacing.train_part_s(step, samples, len(devices), last=total_tokens is not None)
+        refs = [self.pacing.call(self.workers[d], "train_part", step, per[d], rounds, begin, num_micro_batches,
+                                 total_tokens, pace_s=pace_s) for d in devices]
+        return self._train_wait(step, devices, refs, last=total_tokens is not None)
+
+    @staticmethod
+    def _by_position(micro_batches: list[tuple[int, Any]], devices) -> dict[int, list[tuple[int, Any]]]:
+        per: dict[int, list[tuple[int, Any]]] = {d: [] for d in devices}
+        for i, mb in micro_batches:
+            per[devices[i % len(devices)]].append((i, mb))
+        return per
+
+    def _train_wait(self, step: int, devices, refs: list, *, last: bool) -> list[dict]:
+        flushed = []
+        if last:  # NCCL: the leavers' moment sends match this step's receives (before its optimizer step)
+            leavers, self.deferred_moments = self.deferred_moments, ()
+            flushed = [(d, self.workers[d].flush_moments.remote()) for d in leavers]
+        stats = self.wait(list(zip(devices, refs)) + flushed, f"train {step}")[:len(devices)]
+        for st in stats:
+            self.pacing.note(st)
+        return [{**st, "device": self.ids[d]} for d, st in zip(devices, stats)]
+
+    def sync_weights(self, version: int, step: int) -> list[dict]:
+        """Weights of `version` to every rollout device: all trainers gather them (FSDP), the
+        first sends them over the cached sync group. Entries for the sync group's devices."""
+        a = self.assignment
+        train, rollout = a.devices(TRAIN), a.devices(ROLLOUT)
+        if not rollout:
+            return []
+        ranks = tuple(sorted((train[0], *rollout)))
+        devices = tuple(sorted(set(train) | set(rollout)))
+        self.reach("weight_sync", step, ranks)
+        out = self.wait([(d, self.pacing.call(self.workers[d], "sync_weights", train[0], ranks, version, step,
+                                              pace_s=self.pacing.sync_s())) for d in devices], f"weight sync {version}")
+        for r in out:
+            self.pacing.note(r, stage=False)
+        return [{**r, "device": self.ids[d]} for d, r in zip(devices, out) if d in ranks]
