@@ -27,7 +27,7 @@ browser:
 	  echo "note: could not install chromium; the report browser test will be skipped"
 
 demo: $(STAMP)
-	$(VENV)/bin/dynaresize run --out runs/demo
+	$(VENV)/bin/dynaresize run --preset demo --out runs/demo
 
 # The layer contracts (pyproject.toml [tool.importlinter], docs/architecture.md).
 lint: $(STAMP)

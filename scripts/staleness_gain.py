@@ -27,7 +27,7 @@ def cfg_of(eta):
     import os
     devices = int(os.environ.get("DEV", "6"))
     extra = json.loads(os.environ.get("EXTRA", "{}"))
-    data = merge(preset("default"), {"steps": STEPS, "cluster": {"rollout_devices": ROLL, "devices": devices},
+    data = merge(preset("demo"), {"steps": STEPS, "cluster": {"rollout_devices": ROLL, "devices": devices},
                                      "policy": {"name": "static"}, "train": {"staleness": eta}})
     return build_config(merge(data, extra))
 

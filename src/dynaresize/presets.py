@@ -1,17 +1,23 @@
 """Presets: plain functions returning a nested config dict (before files, flags and --set).
 
-`default` is the embedded demo `dynaresize run` (and `make demo`) runs with no arguments: a
-local Ray with 6 device workers paced as A100s running a 7B model (`cluster.emulate`, see
-docs/emulate.md), the tiny Qwen2 really generating and training on the toy task, the hysteresis
-policy, and synthetic lengths of the `demo-cap-raise` workload, whose length cap rises 8x at
-step 10 (the midpoint): before it training is the slower stage and the policy gives it
-devices; after it the released tail makes rollout the slower one and the policy moves them
-back. Because
-every device is paced to the same emulated hardware, the resizes and their gain do not depend
-on how fast or loaded this machine is.
+Nothing is paced unless a preset, a file, `--emulate` or `cluster.emulate` says so, and only
+`demo` (and `compare`'s starting point) does.
 
-`cpu` is the same kind of job at this machine's own speed (no emulation): 4 CPU devices, the
-`demo` workload; `user` starts from it for real prompts. Tests build on `cpu`.
+`default` is what `dynaresize run` runs with no arguments: a local Ray with 4 CPU devices at
+this machine's own speed, the `demo` workload (the same job as `cpu`).
+
+`demo` is the embedded demo `make demo` runs (`--preset demo`): a local Ray with 6 device
+workers paced as A100s running a 7B model (`cluster.emulate`, see docs/emulate.md), the tiny
+Qwen2 really generating and training on the toy task, the hysteresis policy, and synthetic
+lengths of the `demo-cap-raise` workload, whose length cap rises 8x at step 10 (the midpoint):
+before it training is the slower stage and the policy gives it devices; after it the released
+tail makes rollout the slower one and the policy moves them back. Because every device is
+paced to the same emulated hardware, the resizes and their gain do not depend on how fast or
+loaded this machine is.
+
+`cpu` is the job at this machine's own speed (no emulation): 4 CPU devices, the `demo`
+workload; `user` starts from it for real prompts, `static` and `deterministic` are it on a fixed
+split and in deterministic mode. Tests build on `cpu`.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from typing import Callable
 from dynaresize.errors import ConfigError
 
 
-def default() -> dict:
+def demo() -> dict:
+    """The emulated demo (`make demo`): see the module docstring."""
     return {
         "steps": 20,
         "seed": 0,
@@ -62,15 +69,15 @@ def cpu() -> dict:
 
 
 def static() -> dict:
-    """The default job on a fixed split (the comparison a user runs first)."""
-    cfg = default()
+    """The `cpu` job on a fixed split (the comparison a user runs first)."""
+    cfg = cpu()
     cfg["policy"] = {"name": "static"}
     return cfg
 
 
 def deterministic() -> dict:
     """Deterministic mode: a run with resizes equals a static run with the same seed."""
-    cfg = default()
+    cfg = cpu()
     cfg["deterministic"] = True
     return cfg
 
@@ -84,8 +91,9 @@ def user() -> dict:
 
 
 PRESETS: dict[str, Callable[[], dict]] = {
-    "default": default,
+    "default": cpu,  # unpaced: emulation only when asked
     "cpu": cpu,
+    "demo": demo,
     "static": static,
     "deterministic": deterministic,
     "user": user,

@@ -190,7 +190,7 @@ def test_report_carries_the_engines_floor_and_the_fixed_train_time():
 
 
 def test_prediction_runs_the_runtimes_policy_from_the_runtimes_split():
-    cfg = build_config(merge(preset("default"), {"steps": 6}))
+    cfg = build_config(merge(preset("demo"), {"steps": 6}))
     emu = Emulator.from_config(cfg)
     assert Emulator.from_config(_cfg()) is None
     res = predict(cfg, "static:3")
@@ -211,7 +211,7 @@ def test_streaming_prediction_is_the_runtimes_pipeline():
     from dynaresize.policy.baselines import Planned
     from dynaresize.sim.stream import run_stream
 
-    cfg = build_config(merge(preset("default"), {"steps": 6, "train": {"staleness": 2}}))
+    cfg = build_config(merge(preset("demo"), {"steps": 6, "train": {"staleness": 2}}))
     emu = Emulator.from_config(cfg)
     sc = emu.scenario(cfg.cluster.devices)
     bounds = run_bounds(cfg)
@@ -295,7 +295,7 @@ def test_emulate_flag_replaces_the_presets_emulation_and_its_time_scale():
     parser = build_parser()
 
     def cluster(*argv):
-        return resolve_config(parser.parse_args(["run", *argv])).cluster
+        return resolve_config(parser.parse_args(["run", "--preset", "demo", *argv])).cluster
 
     demo = cluster()
     assert demo.emulate == "a100:7b" and demo.time_scale is not None  # the demo's own scale
@@ -304,3 +304,44 @@ def test_emulate_flag_replaces_the_presets_emulation_and_its_time_scale():
     assert cluster("--emulate", "h100:7b", "--time-scale", "25").time_scale == 25.0
     unpaced = cluster("--emulate", "none")
     assert unpaced.emulate is None and unpaced.time_scale is None
+
+
+def test_nothing_is_paced_unless_asked(tmp_path):
+    """The default run and a config file without `cluster.emulate` run at this machine's speed;
+    only the demo preset, `--emulate` or `cluster.emulate` pace the devices."""
+    from dynaresize.cli import build_parser
+    from dynaresize.commands.run import resolve_config
+
+    parser = build_parser()
+    (tmp_path / "job.toml").write_text("steps = 6\n[cluster]\ndevices = 4\nrollout_devices = 2\n")
+    (tmp_path / "paced.toml").write_text("[cluster]\ndevices = 8\nrollout_devices = 4\nemulate = 'h100:7b'\n")
+
+    def cluster(*argv):
+        return resolve_config(parser.parse_args(["run", *argv])).cluster
+
+    assert cluster().emulate is None and cluster().time_scale is None
+    assert cluster("--config", str(tmp_path / "job.toml")).emulate is None
+    assert cluster("--devices", "4", "--rollout-devices", "2", "--policy", "scripted", "--schedule", "3:3").emulate \
+        is None
+    assert cluster("--config", str(tmp_path / "paced.toml")).emulate == "h100:7b"
+    assert cluster("--preset", "demo").emulate == "a100:7b"
+    assert cluster("--devices", "8", "--emulate", "h100:7b").emulate == "h100:7b"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--devices", "4", "--rollout-devices", "2", "--policy", "scripted", "--schedule", "3:4"],
+     "policy.schedule='3:4': 4 rollout devices before step 3 is not a legal split for 4 devices (train pool 0"),
+    (["--preset", "demo", "--policy", "scripted", "--schedule", "3:5"],
+     "policy.schedule='3:5': 5 rollout devices before step 3 is not a legal split for a100:7b on 6 devices"),
+    (["--preset", "demo", "--policy", "static:5"],
+     "policy.name='static:5': 5 rollout devices before step 0 is not a legal split for a100:7b on 6 devices"),
+    (["--devices", "4", "--rollout-devices", "3", "--set", "policy.min_train=2"],
+     "cluster.rollout_devices=3: not a legal split for 4 devices (train pool 1 < min_train 2"),
+])
+def test_a_split_the_bounds_refuse_is_a_config_error_naming_the_bound(argv, needle):
+    from dynaresize.cli import build_parser
+    from dynaresize.commands.run import resolve_config
+
+    with pytest.raises(ConfigError) as exc:
+        resolve_config(build_parser().parse_args(["run", *argv]))
+    assert any(needle in line for line in exc.value.errors), exc.value.errors

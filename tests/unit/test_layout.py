@@ -8,6 +8,8 @@ by a contract (so a new package cannot slip past the linter).
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -105,3 +107,18 @@ def test_every_package_is_named_by_a_layer_contract():
             named |= {part.strip() for part in entry.replace(":", "|").split("|")}
     packages = {f"dynaresize.{p.parent.name}" for p in SRC.glob("*/__init__.py")}
     assert packages and packages <= named, sorted(packages - named)
+
+
+def test_roles_and_trainer_import_and_build_without_ray():
+    """A GPU check machine has torch and transformers but no Ray: the roles, the trainer's parts
+    and the RL math must import there (a contract checks it statically; this runs it)."""
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import dynaresize.roles.train_fsdp, dynaresize.roles.rollout_hf, dynaresize.roles.factory\n"
+            "import dynaresize.roles.weight_sync, dynaresize.rl.grpo, dynaresize.reshard.execute\n"
+            "from dynaresize.config import ModelConfig\n"
+            "from dynaresize.rl.models import build_model\n"
+            "build_model(ModelConfig())\n"
+            "assert sys.modules['ray'] is None\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]

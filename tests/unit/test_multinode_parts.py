@@ -6,6 +6,7 @@ and the config fields."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -79,3 +80,18 @@ def test_worker_env_pins_threads_and_quiets_vllm_unless_the_user_set_its_level()
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "2"
     assert env["VLLM_LOGGING_LEVEL"] == "ERROR"
     assert worker_env(1, environ={"VLLM_LOGGING_LEVEL": "DEBUG"})["runtime_env"]["env_vars"]["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_the_console_is_quiet_unless_the_log_level_is_raised():
+    from dynaresize.cluster.placement import log_level, worker_env
+    quiet, loud = init_kwargs(None, 2, environ={}), init_kwargs(None, 2, environ={"DYNARESIZE_LOG_LEVEL": "info"})
+    assert (quiet["log_to_driver"], quiet["logging_level"]) == (False, logging.ERROR)
+    assert (loud["log_to_driver"], loud["logging_level"]) == (True, logging.INFO)
+    env = worker_env(1, environ={})["runtime_env"]["env_vars"]
+    assert env["PYTHONWARNINGS"] == "ignore" and env["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    env = worker_env(1, environ={"DYNARESIZE_LOG_LEVEL": "debug"})["runtime_env"]["env_vars"]
+    assert "PYTHONWARNINGS" not in env and "TORCH_CPP_LOG_LEVEL" not in env and env["VLLM_LOGGING_LEVEL"] == "INFO"
+    kept = worker_env(1, environ={"PYTHONWARNINGS": "default", "TORCH_CPP_LOG_LEVEL": "INFO"})["runtime_env"]
+    assert kept["env_vars"]["PYTHONWARNINGS"] == "default" and kept["env_vars"]["TORCH_CPP_LOG_LEVEL"] == "INFO"
+    with pytest.raises(UserError, match="DYNARESIZE_LOG_LEVEL='loud'"):
+        log_level({"DYNARESIZE_LOG_LEVEL": "loud"})

@@ -123,7 +123,7 @@ def test_the_emulator_and_the_simulator_share_the_horizon():
     from dynaresize.presets import preset
     from dynaresize.workload import batch_for_step
 
-    cfg = build_config(merge(preset("default"), {"rollout": {"length_workload": "longtail-drift",
+    cfg = build_config(merge(preset("demo"), {"rollout": {"length_workload": "longtail-drift",
                                                              "length_horizon_steps": 40}}))
     emu = Emulator.from_config(cfg)
     n = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt

@@ -13,11 +13,19 @@ trainer snapshots off their own node (cluster/snapshot.py).
 with `ray start` on this machine); else the cluster of a `ray job submit` (RAY_ADDRESS set by
 the job); else a new local Ray sized for the run.
 
+The console shows the run's own lines only: Ray's driver logging at ERROR, the workers' output
+not forwarded, and the workers' third-party warnings (Python warnings, torch's C++ warnings,
+vLLM's logging) off. `DYNARESIZE_LOG_LEVEL=info` (or `debug`) raises the level: Ray logs at
+that level, every worker's output reaches the console, and warnings are shown. A level the user
+set for vLLM (`VLLM_LOGGING_LEVEL`), torch (`TORCH_CPP_LOG_LEVEL`) or Python (`PYTHONWARNINGS`)
+is kept either way.
+
 Invariant: bundle index == device id == world rank of the worker placed in it (first world).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import ray
@@ -27,15 +35,25 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dynaresize.errors import UserError
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+LOG_LEVEL_ENV = "DYNARESIZE_LOG_LEVEL"  # info | debug: show Ray's and the workers' output (module docstring)
+LOG_LEVELS = {"error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
+
+
+def log_level(environ: dict | None = None) -> int:
+    """The run's log level from DYNARESIZE_LOG_LEVEL (default: error, the quiet console)."""
+    env = os.environ if environ is None else environ
+    name = str(env.get(LOG_LEVEL_ENV, "error")).strip().lower()
+    if name not in LOG_LEVELS:
+        raise UserError(f"{LOG_LEVEL_ENV}={name!r}: expected one of {', '.join(LOG_LEVELS)}")
+    return LOG_LEVELS[name]
 
 
 def init_kwargs(address: str | None, num_cpus: int, environ: dict | None = None) -> dict:
     """Keyword arguments for `ray.init` (see the module docstring). Pure: reads `environ`
-    (default `os.environ`) only for RAY_ADDRESS."""
-    import os
-
+    (default `os.environ`) only for RAY_ADDRESS and DYNARESIZE_LOG_LEVEL."""
     env = os.environ if environ is None else environ
-    kwargs: dict = {"include_dashboard": False, "log_to_driver": True}
+    level = log_level(env)
+    kwargs: dict = {"include_dashboard": False, "log_to_driver": level <= logging.INFO, "logging_level": level}
     if address:
         kwargs["address"] = address
     elif env.get("RAY_ADDRESS"):
@@ -103,13 +121,21 @@ def worker_env(torch_threads: int, environ: dict | None = None) -> dict:
     """The runtime env every device worker gets (the elastic cluster and the naive baseline
     alike, so both compute with the same settings): the math thread count pinned in the
     environment too (Ray may run methods on threads other than the one __init__ ran on, and
-    thread counts change fp32 results), and vLLM's own logging at ERROR unless the user set
-    `VLLM_LOGGING_LEVEL` (its per-engine INFO lines would drown the run's output)."""
+    thread counts change fp32 results), and third-party warnings off unless the log level is
+    raised (module docstring): vLLM's logging at ERROR (its per-engine INFO lines would drown the
+    run's output), torch's C++ warnings at ERROR, Python warnings ignored. A level the user set
+    for any of them is kept."""
     environ = os.environ if environ is None else environ
     threads = str(torch_threads)
-    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                                         "TOKENIZERS_PARALLELISM": "false",
-                                         "VLLM_LOGGING_LEVEL": environ.get("VLLM_LOGGING_LEVEL", "ERROR")}}}
+    quiet = log_level(environ) > logging.INFO
+    env_vars = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_LOGGING_LEVEL": environ.get("VLLM_LOGGING_LEVEL", "ERROR" if quiet else "INFO")}
+    for key, value in (("TORCH_CPP_LOG_LEVEL", "ERROR"), ("PYTHONWARNINGS", "ignore")):
+        if key in environ:
+            env_vars[key] = environ[key]
+        elif quiet:
+            env_vars[key] = value
+    return {"runtime_env": {"env_vars": env_vars}}
 
 
 def actor_options(

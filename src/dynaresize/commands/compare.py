@@ -40,7 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "and once in the simulator, and compare measured with predicted times.")
     p.add_argument("--policies", required=True,
                    help="comma-separated runtime policies, e.g. static-profiled,hysteresis")
-    p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting config (default: default)")
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS),
+                   help="starting config (default: demo, the emulated demo job)")
     p.add_argument("--config", metavar="FILE", help="TOML, YAML or JSON config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
                    help="override one field, e.g. --set rollout.length_workload=longtail-drift (repeatable)")

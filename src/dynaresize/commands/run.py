@@ -2,7 +2,9 @@
 
 Config resolution, most specific last: preset -> `--config FILE` -> flags (`--devices`,
 `--steps`, ...) -> repeated `--set section.field=value`. A bad config lists every error and
-exits 2 without a traceback. With no arguments it runs the embedded default preset.
+exits 2 without a traceback. With no arguments it runs the `default` preset (4 CPU devices at
+this machine's own speed). Nothing is paced unless `--emulate`, `cluster.emulate` or a preset
+that names it (`--preset demo`, what `make demo` runs) says so.
 
 `--resume RUN_DIR` continues the run in RUN_DIR from its last checkpoint: the saved config,
 then `--steps`, `--devices`, `--rollout-devices`, `--policy`, `--schedule`, `--inject`, `--set`
@@ -29,12 +31,14 @@ from dynaresize.presets import PRESETS, preset
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "run", help="run the elastic RL job (default: the embedded demo, 6 devices paced as A100s running a 7B)",
+        "run", help="run the elastic RL job (default: 4 CPU devices at this machine's speed; --preset demo: the "
+        "emulated demo)",
         description="Run a disaggregated GRPO job (one-step-off by default; streaming with "
         "train.staleness >= 2) on Ray device workers whose rollout/train split follows the workload. "
-        "With no arguments: local Ray, 6 device workers paced as A100s running a 7B model "
-        "(cluster.emulate), a tiny Qwen2 really generating and training on the toy task, the hysteresis "
-        "policy, the demo-cap-raise length workload. --preset cpu: 4 CPU devices at this machine's own speed.",
+        "With no arguments: local Ray, 4 CPU device workers at this machine's own speed, a tiny Qwen2 "
+        "really generating and training on the toy task, the hysteresis policy, the demo length workload. "
+        "Nothing is paced unless --emulate or cluster.emulate says so. --preset demo (what `make demo` runs): "
+        "6 device workers paced as A100s running a 7B model, the demo-cap-raise length workload.",
         epilog="Flags left out keep the preset's (or the resumed run's) values; see docs/config.md.")
     p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting config (default: default)")
     p.add_argument("--config", metavar="FILE", help="TOML, YAML or JSON config file")

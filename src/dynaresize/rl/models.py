@@ -199,9 +199,17 @@ def build_model(cfg: ModelConfig) -> "torch.nn.Module":
 
 def save_hf(model: "torch.nn.Module", tokenizer, out_dir: str | os.PathLike) -> Path:
     """Write `config.json`, `model.safetensors`, generation and tokenizer files to `out_dir`."""
+    from transformers.utils import logging as hf_logging
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per save would cut into the run's own progress bar
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
