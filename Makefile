@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml scripts/install_vllm.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,tensorboard,mlflow,wandb]'
+	$(PY) -m pip install --quiet -e '.[dev,cluster,tensorboard,mlflow,wandb]'
 	scripts/install_vllm.sh $(PY)
 	touch $(STAMP)
 
@@ -41,11 +41,12 @@ test: $(STAMP) browser
 test-slow: $(STAMP) browser
 	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q -m slow
 
-# The fault matrix (kill/stop x every fault point), the resumes on other device counts, and a
-# node lost whole on a 2-node Ray cluster on this machine (tests/e2e/test_multinode.py).
+# The fault matrix (kill/stop x every fault point), the resumes on other device counts, a
+# node lost whole on a 2-node Ray cluster on this machine (tests/e2e/test_multinode.py), and
+# `ray start --head` + `ray job submit` (tests/e2e/test_job_submit.py).
 test-faults: $(STAMP)
 	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q -m slow tests/e2e/test_faults.py tests/e2e/test_resume.py \
-	  tests/e2e/test_multinode.py
+	  tests/e2e/test_multinode.py tests/e2e/test_job_submit.py
 
 bench: $(STAMP)
 	$(VENV)/bin/dynaresize bench sim --out bench-out/sim

@@ -81,6 +81,7 @@ class TaskConfig:
 
 
 ROLLOUT_ENGINES = ("auto", "vllm", "hf")
+ROLLOUT_DTYPES = ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +100,7 @@ class RolloutConfig:
     max_prompt_tokens: int = 512  # longer prompts keep their last this-many tokens
     vllm_kv_cache_bytes: int = 256 << 20  # vllm engine: KV cache per rollout device; 0: vLLM sizes it
     engine_release: str = "park"  # a device leaving rollout: park (kept warm; GPU: sleep frees it) | teardown
+    dtype: str = "auto"  # engine weights and compute: auto (train.dtype; bf16 on CUDA unless deterministic) | fp32 | bf16
 
     RENAMED_FIELDS: typing.ClassVar[dict[str, str]] = {"backend": "engine"}  # old key -> new (refused)
 
@@ -116,6 +118,7 @@ class RolloutConfig:
                  "must be >= 0 (0: the workload's own horizon)")
         err.need(self.engine_release in ("teardown", "park"), "engine_release", self.engine_release,
                  "must be teardown or park")
+        err.need(self.dtype in ROLLOUT_DTYPES, "dtype", self.dtype, f"must be one of {', '.join(ROLLOUT_DTYPES)}")
         err.need(self.vllm_max_model_len == 0 or self.vllm_max_model_len >= 2, "vllm_max_model_len",
                  self.vllm_max_model_len, "must be 0 (the model's limit) or >= 2")
         err.need(self.vllm_kv_cache_bytes == 0 or self.vllm_kv_cache_bytes >= 1 << 20, "vllm_kv_cache_bytes",
@@ -291,6 +294,9 @@ class RunConfig:
                 parse_fault(spec)
             except ValueError as exc:
                 err.add("faults", spec, str(exc))
+        if self.deterministic:
+            err.need(self.rollout.dtype in ("auto", "fp32"), "rollout.dtype", self.rollout.dtype,
+                     "deterministic mode needs fp32 (auto gives it)")
         if self.deterministic:
             err.need(self.train.dtype == "fp32", "train.dtype", self.train.dtype,
                      "deterministic mode needs fp32 (bf16 rounding depends on how work is split)")

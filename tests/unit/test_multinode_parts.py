@@ -95,3 +95,11 @@ def test_the_console_is_quiet_unless_the_log_level_is_raised():
     assert kept["env_vars"]["PYTHONWARNINGS"] == "default" and kept["env_vars"]["TORCH_CPP_LOG_LEVEL"] == "INFO"
     with pytest.raises(UserError, match="DYNARESIZE_LOG_LEVEL='loud'"):
         log_level({"DYNARESIZE_LOG_LEVEL": "loud"})
+
+
+def test_survivors_of_a_lost_nccl_peer_get_an_exception_not_a_teardown():
+    from dynaresize.cluster.placement import worker_env
+
+    assert worker_env(1, environ={})["runtime_env"]["env_vars"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    kept = worker_env(1, environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})["runtime_env"]["env_vars"]
+    assert kept["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"

@@ -175,3 +175,19 @@ def test_vllm_engine_refuses_small_heads():
 
     with pytest.raises(UserError, match="head size 16"):
         VLLMRolloutEngine(build_config({"model": {"hidden_size": 64, "num_heads": 4}}).model, 1.0)
+
+
+def test_a_torch_without_the_c10d_internals_vllm_world_needs_is_one_clear_error():
+    from types import SimpleNamespace
+
+    from torch.distributed import distributed_c10d
+
+    from dynaresize.roles import vllm_world
+
+    assert vllm_world.internals_problem() is None  # the installed torch has them
+    world = SimpleNamespace(**{f: getattr(distributed_c10d._world, f) for f in vllm_world.WORLD_FIELDS
+                               if f != "pg_coalesce_state"})
+    fake = SimpleNamespace(_world=world, _update_default_pg=distributed_c10d._update_default_pg)
+    problem = vllm_world.internals_problem(fake)
+    assert "distributed_c10d._world.pg_coalesce_state" in problem and "roles/vllm_world.py" in problem
+    assert "_update_default_pg" in vllm_world.internals_problem(SimpleNamespace(_world=world))

@@ -124,12 +124,18 @@ def worker_env(torch_threads: int, environ: dict | None = None) -> dict:
     thread counts change fp32 results), and third-party warnings off unless the log level is
     raised (module docstring): vLLM's logging at ERROR (its per-engine INFO lines would drown the
     run's output), torch's C++ warnings at ERROR, Python warnings ignored. A level the user set
-    for any of them is kept."""
+    for any of them is kept.
+
+    NCCL's asynchronous error handling is set to abort the communicator only
+    (`TORCH_NCCL_ASYNC_ERROR_HANDLING=2`): torch's default tears the process down when the
+    watchdog sees a lost peer, so the survivors would die too, while recovery
+    (driver/recovery.py) expects each survivor to get an exception and re-form the world."""
     environ = os.environ if environ is None else environ
     threads = str(torch_threads)
     quiet = log_level(environ) > logging.INFO
     env_vars = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_LOGGING_LEVEL": environ.get("VLLM_LOGGING_LEVEL", "ERROR" if quiet else "INFO")}
+    env_vars["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     for key, value in (("TORCH_CPP_LOG_LEVEL", "ERROR"), ("PYTHONWARNINGS", "ignore")):
         if key in environ:
             env_vars[key] = environ[key]

@@ -13,8 +13,11 @@ names drift and a later group times out (measured;
 `use_local_synchronization=True` was unreliable). The driver keeps it by broadcasting one
 ordered list of rank sets to every worker. Because every rank sees the same sequence, the cache
 holds the same keys on every rank, so a cache hit is skipped consistently everywhere.
-Calls from two threads of one worker are serialised by a lock, but their order across ranks
-is the driver's business: issue pre-warm creates from one place.
+The pool's lock guards its maps and counts only and is never held across `new_group` (which
+blocks until every rank calls it): a thread reading the pool is never held behind a peer. The
+order of creations across ranks is the driver's business: it issues them from one place and
+never two at once on a worker (`Cluster.wait_prewarm`); a second thread creating the same set
+while the first is still in `new_group` is refused.
 
 Other invariants:
 - Every group gets the pool's explicit timeout.
@@ -56,7 +59,8 @@ class CommPool:
         self._timeout = timedelta(seconds=timeout_s)
         self._backend = backend  # None: the world's backend
         self._groups: dict[tuple[str, RankSet], object | None] = {}
-        self._lock = threading.Lock()
+        self._creating: set[tuple[str, RankSet]] = set()  # keys whose `new_group` is in flight
+        self._lock = threading.Lock()  # guards the maps and counts only, never held across a call that blocks
         self._num_created_critical = 0
         self._num_created_background = 0
         self._num_cache_hits = 0
@@ -74,11 +78,18 @@ class CommPool:
             if key in self._groups:
                 self._num_cache_hits += 1
                 return False
+            if key in self._creating:
+                raise RuntimeError(f"CommPool.create: ranks {key[1]} (tag {tag!r}) are being created by another "
+                                   "thread; the driver issues group creation from one place (module docstring)")
             if not dist.is_initialized():
                 raise RuntimeError("CommPool.create: no live world; call init_world first")
             world_size = dist.get_world_size()
             if key[1][-1] >= world_size:
                 raise ValueError(f"ranks: {key[1]} outside the world of size {world_size}")
+            self._creating.add(key)
+        # `new_group` blocks until every rank of the world calls it: never under the lock, so a
+        # thread that only reads the pool (`get`, `has`, `stats`) is never held behind a peer.
+        try:
             start = time.perf_counter()
             group = dist.new_group(
                 list(key[1]),
@@ -87,8 +98,12 @@ class CommPool:
                 group_desc=f"dynaresize:{tag or 'default'}:{','.join(map(str, key[1]))}",
             )
             elapsed = time.perf_counter() - start
-            # Non-members get a sentinel, not a group: store None so `get` answers plainly.
             member = dist.get_rank() in key[1]
+        finally:
+            with self._lock:
+                self._creating.discard(key)
+        with self._lock:
+            # Non-members get a sentinel, not a group: store None so `get` answers plainly.
             self._groups[key] = group if member else None
             self._create_s_total += elapsed
             self._create_s_max = max(self._create_s_max, elapsed)
@@ -96,7 +111,7 @@ class CommPool:
                 self._num_created_critical += 1
             else:
                 self._num_created_background += 1
-            return True
+        return True
 
     def create_many(self, rank_sets: Iterable[Iterable[int]], *, critical: bool, tag: str = "") -> int:
         """`create` each rank set in order; the number of groups created now."""

@@ -152,6 +152,18 @@ VLLM_CPU_ENGINE_BYTES = int(1.8 * 2**30)
 VLLM_CPU_MEMORY_SHARE = 0.75
 
 
+def engine_dtype(cfg: Any, cuda: bool | None = None) -> str:
+    """The rollout engine's dtype ("float32" | "bfloat16") for run config `cfg`: `rollout.dtype`
+    when it names one; `auto` follows `train.dtype`, and on a CUDA device takes bf16 (fp32
+    weights halve the KV cache and FlashAttention/FlashInfer refuse them) unless the run is
+    deterministic, which needs fp32."""
+    name = cfg.rollout.dtype
+    if name == "auto":
+        cuda = _cuda_available() if cuda is None else cuda
+        name = "bf16" if cfg.train.dtype == "bf16" or (cuda and not cfg.deterministic) else "fp32"
+    return {"fp32": "float32", "bf16": "bfloat16"}[name]
+
+
 def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

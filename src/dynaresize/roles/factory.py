@@ -21,8 +21,10 @@ def rollout_engine_from_config(cfg: Any, **kwargs: Any) -> RolloutEngine:
 
         options = dict(max_num_seqs=r.vllm_max_num_seqs, max_model_len=r.vllm_max_model_len,
                        kv_cache_bytes=r.vllm_kv_cache_bytes, seed=cfg.seed,
-                       prefix_caching=not cfg.deterministic)
+                       prefix_caching=not cfg.deterministic, dtype=base.engine_dtype(cfg))
         return VLLMRolloutEngine(cfg.model, r.temperature, **{**options, **kwargs})
     from dynaresize.roles.rollout_hf import HFRolloutEngine
 
-    return HFRolloutEngine(cfg.model, r.temperature, **{"batch_rows": r.batch_rows, **kwargs})
+    device = str(kwargs.get("device", "cpu"))
+    options = {"batch_rows": r.batch_rows, "dtype": base.engine_dtype(cfg, cuda=device.startswith("cuda"))}
+    return HFRolloutEngine(cfg.model, r.temperature, **{**options, **kwargs})

@@ -49,7 +49,7 @@ class HFRolloutEngine:
     """A `RolloutEngine` on an HF causal LM with a KV cache (see the module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, temperature: float, *, batch_rows: int = 8,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", dtype: str = "float32") -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if batch_rows < 1:
@@ -58,6 +58,7 @@ class HFRolloutEngine:
         self.temperature = float(temperature)
         self.batch_rows = int(batch_rows)
         self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)  # weights and compute; sampling and log-probs stay fp32
         self.version = -1
         self._model: torch.nn.Module | None = None
         self._eos_ids: set[int] = set()
@@ -96,7 +97,7 @@ class HFRolloutEngine:
         return weights_digest((n, params[n]) for n in (params if names is None else names))
 
     def _load_model(self) -> None:
-        self._install(build_model(self.model_cfg).to(self.device))
+        self._install(build_model(self.model_cfg).to(device=self.device, dtype=self.dtype))
 
     def _install(self, model: torch.nn.Module) -> None:
         model.eval()

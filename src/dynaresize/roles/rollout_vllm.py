@@ -44,6 +44,7 @@ from dynaresize.roles.base import GenRequest, GenResult, vllm_model_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_weights import (_rpc_digest, _rpc_kv_cache_bytes, _rpc_redispatch_tied_head, _rpc_reload,
                                            _rpc_weight_shapes, weight_chunks)
+from dynaresize.roles.vllm_world import destroy_vllm_world, install_safe_cleanup, internals_problem, vllm_world
 
 # Set for the engine's creation: in-process engine core (no subprocess), no usage reporting.
 # ---------------------------------------------------------------- the engine
@@ -78,7 +79,7 @@ class VLLMRolloutEngine:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_model_len < 0 or kv_cache_bytes < 0 or load_chunk_bytes < 0:
             raise ValueError("max_model_len, kv_cache_bytes and load_chunk_bytes must be >= 0")
-        problem = vllm_model_problem(model_cfg)
+        problem = vllm_model_problem(model_cfg) or internals_problem()
         if problem:
             from dynaresize.errors import UserError
 
@@ -128,8 +129,6 @@ class VLLMRolloutEngine:
             for key in OVERRIDING_ENV:
                 os.environ.pop(key, None)
             from vllm import LLM
-
-            from dynaresize.roles.vllm_world import install_safe_cleanup, vllm_world
 
             install_safe_cleanup()
             eager_token_ranks()
@@ -209,8 +208,6 @@ class VLLMRolloutEngine:
                     llm.llm_engine.engine_core.shutdown()  # -> roles.vllm_world's safe cleanup
                 finally:
                     del llm
-                    from dynaresize.roles.vllm_world import destroy_vllm_world
-
                     destroy_vllm_world(self._world)  # a no-op when shutdown already did it
                     self._world = None
                     gc.collect()

@@ -36,6 +36,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+# The private torch.distributed internals this module reads and writes (`check_internals`).
+WORLD_FIELDS = ("default_pg", "group_count", "pg_map", "pg_names", "pg_group_ranks", "pg_backend_config",
+                "pg_coalesce_state", "pg_to_tag", "tags_to_pg")
+C10D_FUNCTIONS = ("_update_default_pg",)
 DIST_SWAP_LOCK = threading.RLock()  # one swap at a time; an engine's create/destroy holds it
 PRIVATE_NAME_BASE = 1_000_000_000  # vLLM's group names start here (ours count up from 0)
 PRIVATE_NAME_STRIDE = 100_000  # each engine of the process gets its own range
@@ -50,6 +54,24 @@ class VLLMWorld:
     default_pg: Any = None  # vLLM's one-rank default group
     groups: list = field(default_factory=list)  # every group it created, the default included
     destroyed: bool = False
+
+
+def internals_problem(c10d: Any = None) -> str | None:
+    """What the installed torch lacks of the private internals this module relies on (one
+    line), or None. `VLLMRolloutEngine` checks it before an engine starts, so an unsupported
+    torch is one clear error, not a hang or a destroyed world later."""
+    if c10d is None:
+        from torch.distributed import distributed_c10d as c10d
+    world = getattr(c10d, "_world", None)
+    missing = ["distributed_c10d._world"] if world is None else \
+        [f"distributed_c10d._world.{f}" for f in WORLD_FIELDS if not hasattr(world, f)]
+    missing += [f"distributed_c10d.{f}" for f in C10D_FUNCTIONS if not callable(getattr(c10d, f, None))]
+    if not missing:
+        return None
+    import torch
+
+    return (f"torch {torch.__version__} lacks {', '.join(missing)}, which keeping an in-process vLLM engine's "
+            "world apart from the worker's needs (roles/vllm_world.py; checked with torch 2.13)")
 
 
 @contextmanager
