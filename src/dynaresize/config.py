@@ -100,6 +100,7 @@ class RolloutConfig:
     max_prompt_tokens: int = 512  # longer prompts keep their last this-many tokens
     vllm_kv_cache_bytes: int = 256 << 20  # vllm engine: KV cache per rollout device; 0: vLLM sizes it
     engine_release: str = "park"  # a device leaving rollout: park (kept warm; GPU: sleep frees it) | teardown
+    gpu_memory_utilization: float = 0.85  # vllm engine on CUDA: share of the device's memory it may use
     dtype: str = "auto"  # engine weights and compute: auto (train.dtype; bf16 on CUDA unless deterministic) | fp32 | bf16
 
     RENAMED_FIELDS: typing.ClassVar[dict[str, str]] = {"backend": "engine"}  # old key -> new (refused)
@@ -118,6 +119,8 @@ class RolloutConfig:
                  "must be >= 0 (0: the workload's own horizon)")
         err.need(self.engine_release in ("teardown", "park"), "engine_release", self.engine_release,
                  "must be teardown or park")
+        err.need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
+                 "must be in (0, 1]: the share of a GPU's memory the vLLM engine may use")
         err.need(self.dtype in ROLLOUT_DTYPES, "dtype", self.dtype, f"must be one of {', '.join(ROLLOUT_DTYPES)}")
         err.need(self.vllm_max_model_len == 0 or self.vllm_max_model_len >= 2, "vllm_max_model_len",
                  self.vllm_max_model_len, "must be 0 (the model's limit) or >= 2")

@@ -421,6 +421,14 @@ def _vllm_kwargs(cfg: RunConfig) -> dict:
         return factory.rollout_engine_from_config(cfg).engine_kwargs()
 
 
+def _vllm_kwargs_on_cuda(cfg: RunConfig) -> dict:
+    """`_vllm_kwargs` as a worker holding a GPU builds them (CUDA seen as available)."""
+    from unittest import mock
+
+    with mock.patch("torch.cuda.is_available", lambda: True):
+        return _vllm_kwargs(cfg)
+
+
 def _release_engine(cfg: RunConfig) -> tuple:
     """`DeviceWorker.release_engine` on a loaded engine: whether memory was freed, and whether
     the engine is still loaded (kept warm) afterwards."""
@@ -742,6 +750,9 @@ EVIDENCE: dict[str, tuple] = {
     "rollout.vllm_max_num_seqs": (Probe(5, _vllm_kwargs, base=VLLM_MODEL),),
     "rollout.vllm_max_model_len": (Probe(300, _vllm_kwargs, base=VLLM_MODEL),),
     "rollout.vllm_kv_cache_bytes": (Probe(3 << 20, _vllm_kwargs, base=VLLM_MODEL),),
+    "rollout.gpu_memory_utilization": (Probe(0.5, _vllm_kwargs_on_cuda, base=VLLM_MODEL),
+                                       Refused(0, "rollout.gpu_memory_utilization=0.0: must be in (0, 1]"),
+                                       Refused(1.5, "rollout.gpu_memory_utilization=1.5: must be in (0, 1]")),
     "rollout.prompts_per_step": (Probe(3, _requests),),
     "rollout.samples_per_prompt": (Probe(2, _requests), Probe(2, _scores)),
     "rollout.max_new_tokens": (Probe(64, _requests),

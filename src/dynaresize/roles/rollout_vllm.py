@@ -67,12 +67,14 @@ class VLLMRolloutEngine:
         load_chunk_bytes: weights per `reload_weights` call (whole layers); 0: one call.
         warmup: run a two-token request at start, so one-off set-up costs of the first request
             fall in `start`, not in the first rollout.
+        gpu_memory_utilization: on CUDA, the share of the device's memory the engine may use
+            (vLLM checks at start that this much is free); unused on CPU.
     """
 
     def __init__(self, model_cfg: ModelConfig, temperature: float, *, max_num_seqs: int = 64,
                  max_model_len: int = 0, kv_cache_bytes: int = 256 << 20, dtype: str = "float32",
                  seed: int = 0, prefix_caching: bool = True, load_chunk_bytes: int = 0,
-                 warmup: bool = True) -> None:
+                 warmup: bool = True, gpu_memory_utilization: float = 0.85) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if max_num_seqs < 1:
@@ -93,6 +95,7 @@ class VLLMRolloutEngine:
         self.seed = int(seed)
         self.prefix_caching = bool(prefix_caching)
         self.load_chunk_bytes = int(load_chunk_bytes)
+        self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.warmup = bool(warmup)
         self.version = -1
         self.timings: dict[str, float] = {}  # seconds of the last start / load_weights / release
@@ -270,8 +273,8 @@ class VLLMRolloutEngine:
             kwargs["max_model_len"] = self.max_model_len
         if self.kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes
-        if self._sleep_mode():
-            kwargs["enable_sleep_mode"] = True
+        if self._sleep_mode():  # CUDA: the memory budget, and sleep mode (park frees memory)
+            kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=self.gpu_memory_utilization)
         return kwargs
 
     @staticmethod
