@@ -145,6 +145,8 @@ def test_failing_reward_stops_cleanly_then_resume_scores_bad_rewards_zero_and_re
     assert summary["resizes"] == 0 and summary["stopped"] is None
     (refused,) = records(out, "refused")
     assert refused["requested_rollout"] == 2 and "min_train" in refused["reason"]
+    said = [line for line in capsys.readouterr().err.splitlines() if "resize refused" in line]
+    assert len(said) == 1 and "2 rollout devices" in said[0] and "min_train" in said[0]  # said, not only recorded
     last = {}
     for r in records(out, "sample"):
         last[r["sample_id"]] = r

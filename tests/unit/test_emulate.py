@@ -326,22 +326,3 @@ def test_nothing_is_paced_unless_asked(tmp_path):
     assert cluster("--config", str(tmp_path / "paced.toml")).emulate == "h100:7b"
     assert cluster("--preset", "demo").emulate == "a100:7b"
     assert cluster("--devices", "8", "--emulate", "h100:7b").emulate == "h100:7b"
-
-
-@pytest.mark.parametrize("argv, needle", [
-    (["--devices", "4", "--rollout-devices", "2", "--policy", "scripted", "--schedule", "3:4"],
-     "policy.schedule='3:4': 4 rollout devices before step 3 is not a legal split for 4 devices (train pool 0"),
-    (["--preset", "demo", "--policy", "scripted", "--schedule", "3:5"],
-     "policy.schedule='3:5': 5 rollout devices before step 3 is not a legal split for a100:7b on 6 devices"),
-    (["--preset", "demo", "--policy", "static:5"],
-     "policy.name='static:5': 5 rollout devices before step 0 is not a legal split for a100:7b on 6 devices"),
-    (["--devices", "4", "--rollout-devices", "3", "--set", "policy.min_train=2"],
-     "cluster.rollout_devices=3: not a legal split for 4 devices (train pool 1 < min_train 2"),
-])
-def test_a_split_the_bounds_refuse_is_a_config_error_naming_the_bound(argv, needle):
-    from dynaresize.cli import build_parser
-    from dynaresize.commands.run import resolve_config
-
-    with pytest.raises(ConfigError) as exc:
-        resolve_config(build_parser().parse_args(["run", *argv]))
-    assert any(needle in line for line in exc.value.errors), exc.value.errors

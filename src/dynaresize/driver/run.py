@@ -36,6 +36,7 @@ from dynaresize.config_load import config_to_dict
 from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
 from dynaresize.driver.checkpointing import Checkpointer, ResumePoint, end_partial_line, resume_records
+from dynaresize.driver.console import progress_bar, say
 from dynaresize.driver.evaluation import Evaluator
 from dynaresize.driver.job import Job, ScoredStep
 from dynaresize.driver.ledger import Ledger, sample_record
@@ -136,7 +137,7 @@ class Run(StepReporting):
     # ------------------------------------------------------------------ the top loop
 
     def run(self) -> dict:
-        bar = _progress(self.cfg.steps, self.progress, self.start_step)
+        bar = progress_bar(self.cfg.steps, self.progress, self.start_step)
         with self.cluster:
             self._start()
             w = Window(self.start_step)
@@ -286,6 +287,8 @@ class Run(StepReporting):
         for cmd in commands:
             if isinstance(cmd, Refusal):
                 self.rec.emit("refused", step=step, requested_rollout=cmd.requested_rollout, reason=cmd.reason)
+                say(f"dynaresize: resize refused at step {step}: {cmd.requested_rollout} rollout devices "
+                    f"({cmd.reason}); the run goes on at {self.assignment.num_rollout}")
             elif isinstance(cmd, ResizePlan) and step + 1 < self.cfg.steps:
                 self._resize(step, cmd)
             elif isinstance(cmd, ResizePlan):
@@ -383,13 +386,6 @@ class Run(StepReporting):
         model = build_model(self.cfg.model)
         model.load_state_dict(complete_state_dict(state, model), strict=True)
         save_hf(model, self.job.tokenizer, self.out / "checkpoint")
-
-
-def _progress(total: int, enabled: bool, initial: int = 0) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc="dynaresize run", unit="step", disable=not enabled,
-                dynamic_ncols=True)
 
 
 def run_job(cfg: RunConfig, out_dir: str | Path, *, progress: bool = True, resume: ResumePoint | None = None) -> dict:
