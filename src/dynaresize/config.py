@@ -96,9 +96,9 @@ class RolloutConfig:
     length_horizon_steps: int = 0  # the named workload's time constants span this many steps; 0: its own
     batch_rows: int = 4  # hf engine: rows per batch (fixed, so a sample's numerics never depend on its batch)
     vllm_max_num_seqs: int = 64  # vllm engine: requests decoded at once
-    vllm_max_model_len: int = 0  # vllm engine: longest prompt + response in tokens; 0: the model's own limit
+    vllm_max_model_len: int = 0  # vllm engine: longest prompt + response in tokens; 0: max_prompt_tokens + max_new_tokens
     max_prompt_tokens: int = 512  # longer prompts keep their last this-many tokens
-    vllm_kv_cache_bytes: int = 256 << 20  # vllm engine: KV cache per rollout device; 0: vLLM sizes it
+    vllm_kv_cache_bytes: int = 0  # vllm engine: KV cache per rollout device; 0: CUDA: what gpu_memory_utilization leaves, CPU: 256 MiB
     engine_release: str = "park"  # a device leaving rollout: park (kept warm; GPU: sleep frees it) | teardown
     gpu_memory_utilization: float = 0.85  # vllm engine on CUDA: share of the device's memory it may use
     dtype: str = "auto"  # engine weights and compute: auto (train.dtype; bf16 on CUDA unless deterministic) | fp32 | bf16
@@ -123,9 +123,9 @@ class RolloutConfig:
                  "must be in (0, 1]: the share of a GPU's memory the vLLM engine may use")
         err.need(self.dtype in ROLLOUT_DTYPES, "dtype", self.dtype, f"must be one of {', '.join(ROLLOUT_DTYPES)}")
         err.need(self.vllm_max_model_len == 0 or self.vllm_max_model_len >= 2, "vllm_max_model_len",
-                 self.vllm_max_model_len, "must be 0 (the model's limit) or >= 2")
+                 self.vllm_max_model_len, "must be 0 (prompt + response budget) or >= 2")
         err.need(self.vllm_kv_cache_bytes == 0 or self.vllm_kv_cache_bytes >= 1 << 20, "vllm_kv_cache_bytes",
-                 self.vllm_kv_cache_bytes, "must be 0 (vLLM sizes it) or >= 1048576 (1 MiB)")
+                 self.vllm_kv_cache_bytes, "must be 0 (sized for the device) or >= 1048576 (1 MiB)")
 
 
 MAX_STALENESS = 4  # streaming keeps up to staleness + 2 weight versions on the driver (docs/pipeline.md)

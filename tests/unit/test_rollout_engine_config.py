@@ -13,6 +13,7 @@ from dynaresize.cli import main
 from dynaresize.config_load import build_config, config_to_dict
 from dynaresize.errors import ConfigError, UserError
 from dynaresize.roles import base, factory
+from dynaresize.roles.vllm_memory import CPU_KV_CACHE_BYTES
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def _cfg(**rollout):
 
 def test_defaults_and_round_trip():
     r = build_config({}).rollout
-    assert (r.engine, r.vllm_max_num_seqs, r.vllm_max_model_len, r.vllm_kv_cache_bytes) == ("auto", 64, 0, 256 << 20)
+    assert (r.engine, r.vllm_max_num_seqs, r.vllm_max_model_len, r.vllm_kv_cache_bytes) == ("auto", 64, 0, 0)
     data = config_to_dict(build_config({}))
     assert "backend" not in data["rollout"]  # the temporary property is not saved
     assert build_config(data) == build_config({})
@@ -155,10 +156,24 @@ def test_vllm_settings_reach_the_engine_arguments(have_vllm):
     assert (kw["max_num_seqs"], kw["max_model_len"], kw["kv_cache_memory_bytes"]) == (5, 300, 3 << 20)
     assert (kw["seed"], kw["enable_prefix_caching"], eng.temperature) == (7, True, 0.5)
     assert kw["enable_chunked_prefill"] is False and kw["logprobs_mode"] == "processed_logprobs"
-    auto_sized = factory.rollout_engine_from_config(build_config({"rollout": {
-        "engine": "vllm", "vllm_max_model_len": 0, "vllm_kv_cache_bytes": 0}}))
-    assert "max_model_len" not in auto_sized.engine_kwargs()  # the model's own limit
-    assert "kv_cache_memory_bytes" not in auto_sized.engine_kwargs()  # vLLM sizes it
+    auto_sized_cfg = build_config({"rollout": {"engine": "vllm", "vllm_max_model_len": 0, "vllm_kv_cache_bytes": 0}})
+    auto_sized = factory.rollout_engine_from_config(auto_sized_cfg)
+    r = auto_sized_cfg.rollout
+    assert auto_sized.engine_kwargs()["max_model_len"] == r.max_prompt_tokens + r.max_new_tokens  # the run's budget
+    assert auto_sized.engine_kwargs()["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES  # CPU: a fixed budget
+    from unittest import mock
+
+    with mock.patch.object(VLLMRolloutEngine, "_sleep_mode", staticmethod(lambda: True)):  # CUDA seen
+        kw = auto_sized.engine_kwargs()
+    assert "kv_cache_memory_bytes" not in kw and kw["gpu_memory_utilization"] == 0.85  # vLLM sizes it
+
+
+def test_a_kv_cache_too_small_for_one_request_is_one_line(have_vllm):
+    pytest.importorskip("torch")
+    cfg = build_config({"rollout": {"engine": "vllm", "vllm_kv_cache_bytes": 1 << 20, "vllm_max_model_len": 4000},
+                        "model": {"hidden_size": 256, "num_heads": 4, "num_kv_heads": 4, "num_layers": 8}})
+    with pytest.raises(UserError, match=r"vllm_kv_cache_bytes=1048576 holds \d+ tokens .* max_model_len 4000"):
+        factory.rollout_engine_from_config(cfg).engine_kwargs()
 
 
 def test_hf_engine_from_config(no_vllm):
@@ -191,3 +206,17 @@ def test_a_torch_without_the_c10d_internals_vllm_world_needs_is_one_clear_error(
     problem = vllm_world.internals_problem(fake)
     assert "distributed_c10d._world.pg_coalesce_state" in problem and "roles/vllm_world.py" in problem
     assert "_update_default_pg" in vllm_world.internals_problem(SimpleNamespace(_world=world))
+
+
+def test_kv_budget_arithmetic():
+    from types import SimpleNamespace
+
+    from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
+
+    qwen7b = SimpleNamespace(num_attention_heads=28, num_key_value_heads=4, hidden_size=3584, num_hidden_layers=28)
+    assert kv_bytes_per_token(qwen7b, "bfloat16") == 2 * 28 * 4 * 128 * 2  # 57,344 bytes/token
+    assert kv_cache_bytes(0, cuda=True) is None and kv_cache_bytes(0, cuda=False) == CPU_KV_CACHE_BYTES
+    assert kv_cache_bytes(5 << 20, cuda=True) == 5 << 20
+    assert kv_problem(None, 57344, 10**6) is None  # vLLM sizes it and checks itself
+    assert kv_problem(57344 * 100, 57344, 100) is None
+    assert "holds 99 tokens" in kv_problem(57344 * 100 - 1, 57344, 100)

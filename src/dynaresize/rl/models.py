@@ -168,13 +168,18 @@ def qwen2_config(cfg: ModelConfig) -> Any:
     )
 
 
-def max_positions(cfg: ModelConfig) -> int:
-    """The longest sequence (prompt + response) the model takes: its max_position_embeddings."""
+def hf_config(cfg: ModelConfig) -> Any:
+    """The transformers config of the policy model: the built-in one, or the folder's."""
     if cfg.path is None:
-        return int(qwen2_config(cfg).max_position_embeddings)
+        return qwen2_config(cfg)
     from transformers import AutoConfig
 
-    return int(getattr(AutoConfig.from_pretrained(cfg.path), "max_position_embeddings", 1 << 30))
+    return AutoConfig.from_pretrained(cfg.path)
+
+
+def max_positions(cfg: ModelConfig) -> int:
+    """The longest sequence (prompt + response) the model takes: its max_position_embeddings."""
+    return int(getattr(hf_config(cfg), "max_position_embeddings", 1 << 30))
 
 
 def build_model(cfg: ModelConfig) -> "torch.nn.Module":

@@ -19,7 +19,9 @@ def rollout_engine_from_config(cfg: Any, **kwargs: Any) -> RolloutEngine:
     if name == "vllm":
         from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
 
-        options = dict(max_num_seqs=r.vllm_max_num_seqs, max_model_len=r.vllm_max_model_len,
+        # 0: the run's prompt + response budget (a longer prompt keeps its last max_prompt_tokens)
+        max_model_len = r.vllm_max_model_len or r.max_prompt_tokens + r.max_new_tokens
+        options = dict(max_num_seqs=r.vllm_max_num_seqs, max_model_len=max_model_len,
                        kv_cache_bytes=r.vllm_kv_cache_bytes, seed=cfg.seed,
                        prefix_caching=not cfg.deterministic, dtype=base.engine_dtype(cfg),
                        gpu_memory_utilization=r.gpu_memory_utilization)

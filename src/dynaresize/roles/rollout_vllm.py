@@ -20,10 +20,9 @@ tests/dist/test_rollout_vllm.py). Log-probs are vLLM's `processed_logprobs` of t
 tokens: log_softmax(logits / temperature), as the HF engine returns. Numerics differ slightly
 with batch composition (CPU: up to ~3e-5), unlike the HF engine's fixed-shape batches.
 
-Process state: every entry point restores what vLLM changes in the process when it starts
-(`roles/vllm_process.py`). Its torch.distributed set-up is kept apart from the worker's world
-by `roles/vllm_world.py`, its weights' chunking, digests and worker-side reads by
-`roles/vllm_weights.py`. One engine per process.
+One engine per process. Helpers: process state vLLM changes (`vllm_process`), its world kept
+apart from the worker's (`vllm_world`), weight chunks and digests (`vllm_weights`), KV budget
+(`vllm_memory`).
 """
 
 from __future__ import annotations
@@ -40,7 +39,10 @@ from typing import Any
 import torch
 
 from dynaresize.config import ModelConfig
+from dynaresize.errors import UserError
+from dynaresize.rl.models import build_tokenizer, hf_config, max_positions
 from dynaresize.roles.base import GenRequest, GenResult, vllm_model_problem
+from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_weights import (_rpc_digest, _rpc_kv_cache_bytes, _rpc_redispatch_tied_head, _rpc_reload,
                                            _rpc_weight_shapes, weight_chunks)
@@ -58,8 +60,7 @@ class VLLMRolloutEngine:
         temperature: sampling temperature (> 0); log-probs are under it.
         max_num_seqs: requests the engine decodes at once (vLLM's `max_num_seqs`).
         max_model_len: longest prompt + response in tokens; 0: the model's own limit.
-        kv_cache_bytes: KV cache size; 0: vLLM decides (CPU: `VLLM_CPU_KVCACHE_SPACE` or
-            a large default; CUDA: `gpu_memory_utilization`).
+        kv_cache_bytes: KV cache size; 0: sized for the device (roles/vllm_memory.py).
         dtype: weights and compute dtype ("float32": the HF engine's and trainer's).
         seed: the engine's own seed (every request carries its own; this seeds nothing of ours).
         prefix_caching: reuse the KV of shared prompt blocks (GRPO groups); off makes a
@@ -72,7 +73,7 @@ class VLLMRolloutEngine:
     """
 
     def __init__(self, model_cfg: ModelConfig, temperature: float, *, max_num_seqs: int = 64,
-                 max_model_len: int = 0, kv_cache_bytes: int = 256 << 20, dtype: str = "float32",
+                 max_model_len: int = 0, kv_cache_bytes: int = 0, dtype: str = "float32",
                  seed: int = 0, prefix_caching: bool = True, load_chunk_bytes: int = 0,
                  warmup: bool = True, gpu_memory_utilization: float = 0.85) -> None:
         if temperature <= 0:
@@ -83,8 +84,6 @@ class VLLMRolloutEngine:
             raise ValueError("max_model_len, kv_cache_bytes and load_chunk_bytes must be >= 0")
         problem = vllm_model_problem(model_cfg) or internals_problem()
         if problem:
-            from dynaresize.errors import UserError
-
             raise UserError(f"rollout.engine=vllm: {problem}; use rollout.engine=hf")
         self.model_cfg = model_cfg
         self.temperature = float(temperature)
@@ -267,12 +266,13 @@ class VLLMRolloutEngine:
             enable_prefix_caching=self.prefix_caching,
             logprobs_mode="processed_logprobs",  # log_softmax(logits / temperature)
             enforce_eager=True,  # no torch.compile / graph capture: seconds, not minutes, per start
-            disable_log_stats=True,
-        )
-        if self.max_model_len:
-            kwargs["max_model_len"] = self.max_model_len
-        if self.kv_cache_bytes:
-            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes
+            disable_log_stats=True, **({"max_model_len": self.max_model_len} if self.max_model_len else {}))
+        cache = kv_cache_bytes(self.kv_cache_bytes, cuda=self._sleep_mode())
+        if cache is not None:  # one request of max_model_len must fit (vllm_memory.py)
+            per_token = kv_bytes_per_token(hf_config(self.model_cfg), self.dtype)
+            if problem := kv_problem(cache, per_token, self.max_model_len or max_positions(self.model_cfg)):
+                raise UserError(problem)
+            kwargs["kv_cache_memory_bytes"] = cache
         if self._sleep_mode():  # CUDA: the memory budget, and sleep mode (park frees memory)
             kwargs.update(enable_sleep_mode=True, gpu_memory_utilization=self.gpu_memory_utilization)
         return kwargs
@@ -284,10 +284,8 @@ class VLLMRolloutEngine:
     def _model_dir(self) -> str:
         if self.model_cfg.path is not None:
             return str(self.model_cfg.path)
-        from dynaresize.rl.models import build_tokenizer, qwen2_config
-
         self._tmpdir = tempfile.mkdtemp(prefix="dynaresize-vllm-")
-        qwen2_config(self.model_cfg).save_pretrained(self._tmpdir)
+        hf_config(self.model_cfg).save_pretrained(self._tmpdir)
         build_tokenizer(self.model_cfg.vocab_size).save_pretrained(self._tmpdir)
         return self._tmpdir
 
