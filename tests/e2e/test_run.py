@@ -81,6 +81,19 @@ def test_scripted_run_resizes_both_ways_and_keeps_the_ledger(deterministic_pair)
     ops = list(read_records(out / "records.jsonl", "op"))
     assert any(o["name"].endswith("optimizer_shards") and not o["critical"] for o in ops)
     assert any(o["critical"] for o in ops)
+    # One issuing thread per device (cluster/worker.py): a device that left training handed its
+    # moments on and freed its memory before its first generation as a rollout device began.
+    spans = [s for s in read_records(out / "records.jsonl", "span") if s["name"] == "rollout"]
+    for r in resizes:
+        if r["to_role"] != "rollout":
+            continue
+        for d in r["moving"]:
+            mine = [o for o in ops if o["resize_id"] == r["resize_id"] and o["device"] == d]
+            background_end = max(o["end_s"] for o in mine if o["name"] in ("move_optimizer_shards",
+                                                                             "free_train_memory"))
+            critical_end = max(o["end_s"] for o in mine if o["critical"])
+            first = min(s["start_s"] for s in spans if s["device"] == d and s["start_s"] >= critical_end)
+            assert background_end <= first, (r["resize_id"], d, background_end, first)
 
 
 def test_deterministic_run_with_resizes_equals_static_run(deterministic_pair):

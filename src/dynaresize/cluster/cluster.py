@@ -49,6 +49,7 @@ class ResizeOutcome:
     t_decide: float
     ops: list[dict] = field(default_factory=list)  # name, device, t0, t1, bytes, critical
     background: list[tuple[str, int, Any]] = field(default_factory=list)  # (name, device, ObjectRef)
+    paced: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # emulated: (start, pace_s)
     groups_created_critical: int = 0
     critical_end: float = 0.0
     drain_s: float | None = None  # streaming: waiting for the leaving engines' requests (router.py)
@@ -77,7 +78,6 @@ class Cluster(StagesMixin):
         self.faults = FaultInjector(parse_faults(cfg.faults, self.num_devices))
         self.use_gpu = False  # set by start: NCCL on GPUs
         self._shapes: list | None = None  # trainable parameter shapes (layout_for)
-        self.deferred_moments: tuple[int, ...] = ()  # NCCL: devices that left training, moments not sent
         # Streaming (train.staleness >= 2): engines run requests across resizes, and Ray runs a
         # worker's calls one at a time, so a split whose groups every worker already holds
         # (created or pre-warmed, and waited for) is switched to without calling every worker.
@@ -194,8 +194,10 @@ class Cluster(StagesMixin):
         return sets
 
     def _prewarm(self, a: Assignment) -> list[Any]:
-        """Create the neighbouring splits' groups on every worker's background thread."""
-        sets = self._neighbour_sets(a)
+        """Queue the creation of the neighbouring splits' groups on every worker (not waited
+        for). Sets every worker already holds are left out, so once they are all made no call
+        is queued at all (a call behind a busy engine would hold every other device at it)."""
+        sets = [s for s in self._neighbour_sets(a) if (tuple(s), "") not in self._known_sets]
         self._prewarm_sets = list(sets)
         if not sets:
             return []
@@ -266,6 +268,7 @@ class Cluster(StagesMixin):
         background, outcome.background = outcome.background, []
         results = self.wait([(d, ref) for _, d, ref in background], "resize: background ops")
         for (name, d, _), r in zip(background, results):
+            r = self.pacing.stamp(r, *outcome.paced.get((name, d), (0.0, None)))  # emulated: the op's modelled end
             outcome.ops.append(self.op_entry(name, d, r, False))
         if any(name == planner.PREWARM_GROUPS for name, _, _ in background):
             self._known_sets.update((tuple(rs), "") for rs in self._prewarm_sets)

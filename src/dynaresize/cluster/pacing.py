@@ -8,7 +8,8 @@ host a worker may start seconds after the others), as on the emulated hardware. 
 `t1` becomes the paced end, so spans and op records show the emulated duration; the result also
 says `paced_from` (= start), `paced_s` (the wall seconds it was paced to), `real_s` (from the
 dispatch to the end of the real work) and `overrun` (True when that took longer than the paced
-time). `paced_bg` does the same on the worker's background thread (background resize ops).
+time). Background resize ops are not slept out on the worker (it has one issuing thread, which
+must go on): the driver stamps their result with the paced end instead (`DriverPacing.stamp`).
 
 Overruns: a rollout or training call whose real work overran its paced time makes its step
 `overrun`: that stage took the machine's time, not the model's (the excess counts 1:1 on the
@@ -34,7 +35,6 @@ import threading
 import time
 from typing import Any, Callable
 
-import ray
 
 from dynaresize.emulate.clock import EmulatedClock
 from dynaresize.emulate.model import Emulator, time_scale_of
@@ -60,10 +60,6 @@ class PacedMixin:
     def paced(self, start: float, emulated_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
         return pace(getattr(self, method)(*args, **kwargs), start, emulated_s, time_scale_of(self.cfg.cluster))
 
-    @ray.method(concurrency_group="bg")
-    def paced_bg(self, start: float, emulated_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
-        return pace(getattr(self, method)(*args, **kwargs), start, emulated_s, time_scale_of(self.cfg.cluster))
-
 
 class PacedRequests(list):
     """The requests one rollout device serves at once, and its emulated busy seconds."""
@@ -87,11 +83,19 @@ class DriverPacing:
     def on(self) -> bool:
         return self.emulator is not None
 
-    def call(self, worker: Any, method: str, *args: Any, pace_s: float | None = None, bg: bool = False) -> Any:
+    def call(self, worker: Any, method: str, *args: Any, pace_s: float | None = None) -> Any:
         """`worker.method.remote(*args)`, paced to `pace_s` emulated seconds from now when emulating."""
         if self.emulator is None or pace_s is None:
             return getattr(worker, method).remote(*args)
-        return (worker.paced_bg if bg else worker.paced).remote(time.time(), pace_s, method, *args)
+        return worker.paced.remote(time.time(), pace_s, method, *args)
+
+    def stamp(self, result: Any, start: float, pace_s: float | None) -> Any:
+        """A background op's result as if paced to `pace_s` emulated seconds from `start`
+        (emulating), without sleeping: its `t1` becomes the paced end when that is later."""
+        if self.emulator is None or pace_s is None or not isinstance(result, dict):
+            return result
+        end = float(result.get("t1", start))
+        return pace(result, start, pace_s, self.time_scale, clock=lambda: end, sleep=lambda _s: None)
 
     # ------------------------------------------------------------------ stages
 

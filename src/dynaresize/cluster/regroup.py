@@ -1,7 +1,7 @@
 """Re-forming the cluster on the surviving devices after a loss (driver side).
 
 Order, each step bounded by a deadline (docs/faults.md):
-1. `settle`: every survivor's main and background threads finish what they were doing. A
+1. `settle`: every survivor's issuing thread finishes what it was doing. A
    survivor inside a collective with the lost peer is freed by that group's timeout
    (`timeouts.collective_s`), so one still busy `collective_s + margin` later is wedged: it
    is returned as lost too, with the reason;
@@ -32,7 +32,6 @@ def settle(cluster: Any, survivors: list[int]) -> dict[int, str]:
         return {}
     deadline_s = cluster.watchdog.collective_s + cluster.watchdog.margin_s
     calls = [(r, cluster.workers[r].settle.remote()) for r in survivors]
-    calls += [(r, cluster.workers[r].settle_bg.remote()) for r in survivors]
     try:
         cluster.wait(calls, "settle after a loss", deadline_s=deadline_s)
     except DevicesLost as exc:
@@ -56,7 +55,6 @@ def new_generation(cluster: Any, survivors: list[int], assignment: Assignment) -
     cluster.ids = [cluster.ids[r] for r in survivors]
     cluster.num_devices = len(survivors)
     cluster.generation += 1
-    cluster.deferred_moments = ()  # moments of a resize cut short come back from the snapshot
     cluster.watchdog.clear(cluster.num_devices)
     cluster._prewarm_futures = []  # settled: they ran (or failed) in the old world
     b = cluster.bounds

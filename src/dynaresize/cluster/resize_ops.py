@@ -22,21 +22,27 @@ What each op does (train -> rollout, then rollout -> train):
   boundary none is in flight, and the call proves it);
 - release_engine_memory: the engine is torn down and its memory freed;
 - move_optimizer_shards / receive_optimizer_shards: Adam moments to the new layout on the
-  background communicator (background ops, waited for before the next optimizer step; with
-  `reshard.background_moments = false` the driver waits for them at once, on the critical path);
-- free_train_memory: a device that left training drops its old moment shards (background);
+  background communicator (background ops: queued on every device of the resize ahead of any
+  later work, not waited for; with `reshard.background_moments = false` the driver waits for
+  them at once, on the critical path);
+- free_train_memory: a device that left training returns its training memory (background);
+  on GPUs both run before `load_weights`, on the critical path: the engine's start needs the
+  device's memory free (`_free_before_start`);
 - prewarm_groups: communicators of the splits the policy may pick next (background).
+
+"Background" means not waited for, never another thread: every op runs on the device's one
+issuing thread, in the order the driver queued it (cluster/worker.py).
 
 Each handler appends one entry per device it ran on (name, device, epoch t0/t1, bytes) to the
 outcome: the runtime turns them into `op` records. With an emulated accelerator
 (`cluster.emulate`) each critical op then lasts `costmodel.costs.op_cost` of its name (the driver
-waits out the rest) and background ops are paced on the workers' background thread.
+waits out the rest) and background ops get their modelled end stamped on their records.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dynaresize.control import planner
@@ -53,6 +59,10 @@ class ResizeContext:
     step: int
     background_moments: bool
     out: Any  # cluster.ResizeOutcome
+    ran: set[str] = field(default_factory=set)  # ops already carried out by another op's handler
+
+    def done(self, name: str) -> bool:
+        return name in self.ran
 
     @property
     def old_train(self) -> tuple[int, ...]:
@@ -83,12 +93,13 @@ class ResizeContext:
                 self.out.critical_end = max(self.out.critical_end, r["t1"])
 
     def background(self, name: str, devices, method: str, *args: Any) -> None:
-        """Start `method` on each device's background thread; its result is recorded later
-        (emulated: paced there to the op's cost, cluster/pacing.py)."""
-        w, pacing = self.cluster.workers, self.cluster.pacing
-        pace_s = pacing.op_s(name, self.plan)
-        refs = [(name, d, pacing.call(w[d], method, *args, pace_s=pace_s, bg=True)) for d in devices]
-        self.out.background += refs
+        """Queue `method` on each device without waiting for it: it runs on the device's
+        issuing thread ahead of any later work (cluster/worker.py) and is recorded later
+        (emulated: stamped with the op's modelled end, cluster/pacing.py)."""
+        w, start, pace_s = self.cluster.workers, time.time(), self.cluster.pacing.op_s(name, self.plan)
+        for d in devices:
+            self.out.background.append((name, d, getattr(w[d], method).remote(*args)))
+            self.out.paced[(name, d)] = (start, pace_s)
 
 
 def _groups(ctx: ResizeContext) -> None:
@@ -116,6 +127,8 @@ def _param_shards(ctx: ResizeContext) -> None:
 
 
 def _load_weights(ctx: ResizeContext) -> None:
+    if ctx.cluster.use_gpu and ctx.plan.to_role == ROLLOUT:
+        _free_before_start(ctx)
     ctx.cluster.reach("resize.switch", ctx.step, ctx.moving)
     ctx.record(planner.LOAD_WEIGHTS, ctx.moving, ctx.call(ctx.moving, "load_weights", ctx.version, ctx.step))
 
@@ -143,17 +156,28 @@ def _release_engine(ctx: ResizeContext) -> None:
 
 
 def _moments(ctx: ResizeContext) -> None:
+    if ctx.done(planner.MOVE_OPTIMIZER_SHARDS):
+        return
     name = planner.MOVE_OPTIMIZER_SHARDS if ctx.plan.to_role == ROLLOUT else planner.RECEIVE_OPTIMIZER_SHARDS
-    if ctx.background_moments:
+    if ctx.background_moments:  # queued first on every device of the resize; not waited for
         ctx.background(name, ctx.union, "reshard_moments", ctx.new_train)
-        if ctx.cluster.use_gpu:  # NCCL: leavers send from their main thread beside the next step
-            ctx.cluster.deferred_moments = tuple(d for d in ctx.union if d not in ctx.new_train)
     else:  # configured onto the critical path: the driver waits for them now
-        ctx.record(name, ctx.union, ctx.call(ctx.union, "reshard_moments", ctx.new_train, False))
+        ctx.record(name, ctx.union, ctx.call(ctx.union, "reshard_moments", ctx.new_train))
 
 
 def _free_train_memory(ctx: ResizeContext) -> None:
-    ctx.background(planner.FREE_TRAIN_MEMORY, ctx.moving, "free_train_memory")
+    if not ctx.done(planner.FREE_TRAIN_MEMORY):
+        ctx.background(planner.FREE_TRAIN_MEMORY, ctx.moving, "free_train_memory")
+
+
+def _free_before_start(ctx: ResizeContext) -> None:
+    """On GPUs, a device leaving training must hand its moments on and free the device before
+    its engine starts (vLLM checks at start that its share of the memory is free): the two
+    background ops run here, on the critical path, waited for (their records say critical)."""
+    union, moving = ctx.union, ctx.moving
+    ctx.record(planner.MOVE_OPTIMIZER_SHARDS, union, ctx.call(union, "reshard_moments", ctx.new_train))
+    ctx.record(planner.FREE_TRAIN_MEMORY, moving, ctx.call(moving, "free_train_memory"))
+    ctx.ran |= {planner.MOVE_OPTIMIZER_SHARDS, planner.FREE_TRAIN_MEMORY}
 
 
 def _prewarm(ctx: ResizeContext) -> None:

@@ -126,11 +126,7 @@ class StagesMixin:
         return per
 
     def _train_wait(self, step: int, devices, refs: list, *, last: bool) -> list[dict]:
-        flushed = []
-        if last:  # NCCL: the leavers' moment sends match this step's receives (before its optimizer step)
-            leavers, self.deferred_moments = self.deferred_moments, ()
-            flushed = [(d, self.workers[d].flush_moments.remote()) for d in leavers]
-        stats = self.wait(list(zip(devices, refs)) + flushed, f"train {step}")[:len(devices)]
+        stats = self.wait(list(zip(devices, refs)), f"train {step}")
         for st in stats:
             self.pacing.note(st)
         return [{**st, "device": self.ids[d]} for d, st in zip(devices, stats)]

@@ -10,16 +10,18 @@ Device placement: a worker holding a GPU puts everything on `cuda:0` (Ray sets
 CUDA_VISIBLE_DEVICES to its own GPU); snapshots and exports copy to host explicitly
 (`.cpu()`); leaving a role frees its tensors and empties the CUDA cache.
 
-Threads: Ray runs the default methods one at a time on the main thread; methods in the `bg`
-concurrency group run on one background thread. The background thread does only what may
-overlap the step's real work: pre-warming groups and moving optimizer moments on the
-`background` communicator (never one the main thread uses: two threads never share a group).
-`train` waits for pending moments only just before the optimizer step, so on CPU (gloo) their
-movement overlaps forward and backward. With NCCL, two threads issuing collectives on two
-communicators in different orders on different ranks can deadlock, so there the moments move on
-the main thread, on the background communicator, after the backward and before the optimizer
-step: still off the resize's critical path, no longer overlapped. A third thread, `ctl`, only
-answers liveness pings and fires injected faults (cluster/worker_recovery.py, faults.py).
+Threads, and the one-issuing-thread rule: every collective a device takes part in (group
+creation, FSDP's collectives, the weight sync, parameter and moment moves) and every CUDA
+memory release is issued by one thread, the actor's default thread, in the order the driver
+submits them. The driver submits from one place, so each device's calls are a subsequence of
+one global order, and every collective is reached by all its members after the same earlier
+ones: no cycle of waits, and never two threads issuing NCCL work on one device (NCCL does not
+allow it). "Background" work keeps the rule by being ordinary calls the driver does not wait
+for: the moment hand-off (cluster/handoff.py) and pre-warming groups are queued on every device
+right after a resize's critical ops, ahead of any later stage work, and run as soon as all
+their members are there. The communicator pool refuses group creation from any other thread
+(`CommPool(issuer=...)`). One other thread exists and issues nothing: `ctl` answers liveness
+pings and fires injected faults (cluster/worker_recovery.py, faults.py).
 
 Every method that does timed work returns epoch start/end times (`time.time()`), which the
 driver turns into `span` and `op` records.
@@ -30,12 +32,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import ray
 import torch
 
 from dynaresize.cluster.faults import fire
+from dynaresize.cluster.handoff import MomentHandoff
 from dynaresize.cluster.pacing import PacedMixin
 from dynaresize.cluster.worker_recovery import RecoveryMixin
 from dynaresize.cluster.worker_resize import ResizeOpsMixin
@@ -90,12 +93,7 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin):
         self._specs: list | None = None
         self._full: dict[str, torch.Tensor] | None = None  # full weights held for the engine to start with
         self._full_version: int | None = None
-        self._old_moments: dict[str, list[torch.Tensor]] | None = None  # sent in the background
-        self._old_layout: RowChunkLayout | None = None
-        self._moments_done = threading.Event()
-        self._moments_done.set()
-        self._moments_error: BaseException | None = None
-        self._inline_moments: Callable[[], dict] | None = None  # NCCL: moved on the main thread
+        self.moments = MomentHandoff()  # the last resize's optimizer moments (cluster/handoff.py)
         self._faults: list[tuple[str, str, int]] = []  # (kind, point, step) armed by the driver
 
     # ------------------------------------------------------------------ world and groups
@@ -112,7 +110,8 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin):
         rendezvous.init_world(rank=self.device, world_size=world_size, init_method=init_method,
                               backend=self.cfg.cluster.backend, timeout_s=self.cfg.timeouts.collective_s,
                               generation=generation)
-        self.pool = CommPool(timeout_s=self.cfg.timeouts.collective_s)
+        # This thread issues every collective of the device from now on (module docstring).
+        self.pool = CommPool(timeout_s=self.cfg.timeouts.collective_s, issuer=threading.get_ident())
         return {"t0": t0, "t1": time.time(), "world_inits": rendezvous.world_inits()}
 
     def create_groups(self, rank_sets: Sequence[Sequence[int]], critical: bool, tag: str = "") -> dict:
@@ -121,9 +120,8 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin):
         flags = [self.pool.create(rs, critical=critical, tag=tag) for rs in rank_sets]
         return {"created": sum(flags), "flags": flags, "t0": t0, "t1": time.time()}
 
-    @ray.method(concurrency_group="bg")
     def prewarm_groups(self, rank_sets: Sequence[Sequence[int]]) -> dict:
-        """`create_groups` off the critical path, on the background thread."""
+        """`create_groups` off the critical path: queued right after a resize (module docstring)."""
         return self.create_groups(rank_sets, critical=False)
 
     def comm_stats(self) -> dict:
@@ -273,5 +271,5 @@ def worker_config(cfg: RunConfig) -> dict:
 
 
 def remote_worker_class():
-    """The Ray actor class; `bg` is the one background thread (see the module docstring)."""
-    return ray.remote(concurrency_groups={"bg": 1, "ctl": 1})(DeviceWorker)
+    """The Ray actor class; `ctl` is the thread for pings and faults (see the module docstring)."""
+    return ray.remote(concurrency_groups={"ctl": 1})(DeviceWorker)

@@ -2,9 +2,9 @@
 
 Threads (see cluster/worker.py): `ctl` is a third, always-free thread for liveness pings and
 injected faults, so a worker busy computing still answers "alive", and a worker that answers
-nothing is stuck as a whole. `settle` (main thread) and `settle_bg` (background thread) return
-only once every earlier call on that thread has ended: the driver's proof that a survivor is
-no longer inside a collective of the lost world.
+nothing is stuck as a whole. `settle` (the issuing thread) returns only once every earlier
+call on that thread has ended: the driver's proof that a survivor is no longer inside a
+collective of the lost world (no other thread issues any).
 
 Snapshots: after each training step every trainer returns its state shards as task results
 (`snapshot_state`, three returns: a small meta dict with its pieces of the layout, its
@@ -64,10 +64,6 @@ class RecoveryMixin:
     def settle(self) -> int:
         return self.device
 
-    @ray.method(concurrency_group="bg")
-    def settle_bg(self) -> int:
-        return self.device
-
     # ------------------------------------------------------------------ new world generation
 
     def reset_world(self, init_method: str, rank: int, world_size: int, generation: int) -> dict:
@@ -79,9 +75,7 @@ class RecoveryMixin:
         if self.trainer is not None:
             self.trainer.release()
         self.trainer, self.train_ranks = None, ()
-        self._old_moments, self._moments_error = None, None
-        self._moments_done.set()
-        self._inline_moments = None
+        self.moments.reset()  # the moments of a resize cut short come back from the snapshot
         self._full, self._full_version = None, None  # a resize cut short left them
         if self._parked is not None:  # a parked engine belongs to the old world's plan
             self._parked.release()

@@ -1,13 +1,16 @@
 """The resize ops on a device worker: one method per op a plan names (cluster/resize_ops.py
 HANDLERS calls them by name). A mixin of `cluster.worker.DeviceWorker`: it uses the worker's
-communicator pool, trainer, engine, config, fault points and moment threads.
+communicator pool, trainer, engine, config, fault points and moment hand-off.
 
-Train -> rollout: `gather_full` (the leaving device gets full current weights), then
-`reshard_params` (parameter shards to the remaining trainers, through the bounded staging
-buffer), `reshard_moments` (optimizer moments to their new owners, on the background
-communicator: in the background on gloo, deferred to the next optimizer step on NCCL, see the
-worker's docstring), `free_train_memory`, `load_weights` and `alloc_kv_cache`. Rollout ->
-train: `drain_requests`, `release_engine`, then the same reshard ops into the grown group.
+Train -> rollout: `gather_full` (the leaving device gets full current weights, on the host),
+then `reshard_params` (parameter shards to the remaining trainers, through the bounded staging
+buffer; the moments are armed for later: cluster/handoff.py), `reshard_moments` (optimizer
+moments to their new owners, on the background communicator), `free_train_memory`,
+`load_weights` and `alloc_kv_cache`. Rollout -> train: `drain_requests`, `release_engine`,
+then the same reshard ops into the grown group.
+
+Every op runs on the worker's issuing thread (cluster/worker.py): "background" ops are the
+ones the driver does not wait for, not ones on another thread.
 
 Each returns epoch start/end times and the bytes it moved, which the driver turns into `op`
 records. A device that holds no part in an op (a rank outside both layouts) returns at once.
@@ -18,7 +21,6 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-import ray
 import torch
 
 from dynaresize.comm import rendezvous
@@ -27,6 +29,14 @@ from dynaresize.roles.train_reshard import move_state
 from dynaresize.roles.train_spec import MOMENT_KINDS, REF_KIND
 
 BACKGROUND_TAG = "background"  # the communicator over all devices that optimizer moments move on
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Give the CUDA caching allocator's free blocks back to the device, once no kernel of this
+    process is in flight (called on the issuing thread, between collectives; CPU: nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 class ResizeOpsMixin:
@@ -42,8 +52,8 @@ class ResizeOpsMixin:
             raise RuntimeError(f"device {self.device} holds version {self.trainer.step}, not {version}")
         full = {}
         for name, t in self.trainer.full_params():  # collective: every old trainer walks it all
-            if keeps:  # only a device leaving for rollout keeps a copy (its engine's first weights)
-                full[name] = t.cpu() if self.torch_device.type == "cpu" else t
+            if keeps:  # only a device leaving for rollout keeps a copy (its engine's first weights),
+                full[name] = t.cpu()  # on the host: the device must be free when the engine starts
         if keeps:
             self._full, self._full_version = full, version
         nbytes = sum(t.numel() * t.element_size() for t in full.values())
@@ -65,9 +75,7 @@ class ResizeOpsMixin:
         new = self._new_trainer(new_ranks, init=False) if self.device in new_ranks else None
         stats = move_state(old, new, kinds=kinds, old_layout=old_layout, new_layout=new_layout, rank=self.device,
                            spec=self.spec, staging_bytes=self.cfg.reshard.staging_bytes, group=None)
-        self._old_moments = {k: old.pieces(k) for k in MOMENT_KINDS} if old is not None else None
-        self._old_layout = old_layout
-        self._moments_done.clear()
+        self.moments.arm({k: old.pieces(k) for k in MOMENT_KINDS} if old is not None else None, old_layout, new_ranks)
         if old is not None:
             old.model = old.ref = None  # parameters go now; moments stay until sent
         self.trainer = new
@@ -78,60 +86,33 @@ class ResizeOpsMixin:
             self.train_ranks = ()
         return {"t0": t0, "t1": time.time(), **stats.to_dict()}
 
-    def _move_moments(self, new_ranks: Sequence[int]) -> dict:
+    def reshard_moments(self, new_ranks: Sequence[int]) -> dict:
+        """Move the optimizer moments armed by `reshard_params` to the layout over `new_ranks`,
+        on the background communicator, on this worker's issuing thread (cluster/handoff.py).
+        The driver queues this on every device of the resize before any later work, so it runs
+        as soon as they are all here: off the resize's critical path unless the plan says
+        otherwise (`reshard.background_moments = false` waits for it there)."""
         t0 = time.time()
-        new_ranks = tuple(sorted(new_ranks))
+        stats = self.moments.run(self._move_moments) or NO_STATS.to_dict()
+        return {"t0": t0, "t1": time.time(), **stats}
+
+    def _move_moments(self, handoff) -> dict:
         group = self.pool.get(tuple(range(rendezvous.live_world().world_size)), tag=BACKGROUND_TAG)
         stats = NO_STATS
-        if self._old_moments is not None or self.trainer is not None:
-            stats = move_state(None, self.trainer, kinds=MOMENT_KINDS, old_layout=self._old_layout,
-                               new_layout=self._layout(new_ranks), rank=self.device, spec=self.spec,
+        if handoff.old_pieces is not None or self.trainer is not None:
+            stats = move_state(None, self.trainer, kinds=MOMENT_KINDS, old_layout=handoff.old_layout,
+                               new_layout=self._layout(handoff.new_ranks), rank=self.device, spec=self.spec,
                                staging_bytes=self.cfg.reshard.staging_bytes, group=group,
-                               old_pieces=self._old_moments)
-        self._old_moments = None
-        return {"t0": t0, "t1": time.time(), **stats.to_dict()}
+                               old_pieces=handoff.old_pieces)
+        return stats.to_dict()
 
-    @ray.method(concurrency_group="bg")
-    def reshard_moments(self, new_ranks: Sequence[int], background: bool = True) -> dict:
-        """Move optimizer moments on the background group (see the module docstring). With
-        NCCL and `background`, the move is left to this worker's main thread: a trainer runs it
-        before its next optimizer step (`train`), a device that left training in `flush_moments`,
-        which the driver calls beside that training step; so two threads never issue NCCL work
-        at once. Without `background` the driver is waiting and no main-thread work runs: it
-        moves now."""
-        if background and self.torch_device.type == "cuda":
-            self._inline_moments = lambda: self._run_moments(new_ranks)
-            return {"t0": time.time(), "t1": time.time(), "deferred": True}
-        return self._run_moments(new_ranks)
-
-    def flush_moments(self) -> dict:
-        """NCCL: a device that left training sends its deferred moment shards (main thread)."""
-        t0 = time.time()
-        self._run_deferred_moments()
-        return {"t0": t0, "t1": time.time()}
-
-    def _run_deferred_moments(self) -> None:
-        if self._inline_moments is not None:
-            move, self._inline_moments = self._inline_moments, None
-            move()
-
-    def _run_moments(self, new_ranks: Sequence[int]) -> dict:
-        try:
-            return self._move_moments(new_ranks)
-        except BaseException as exc:  # surfaced to the main thread at its optimizer step
-            self._moments_error = exc
-            raise
-        finally:
-            self._moments_done.set()
-
-    @ray.method(concurrency_group="bg")
     def free_train_memory(self) -> dict:
-        """Background op after the moments left: drop what training held on a leaving device."""
+        """After the moments left: return what training held on a leaving device to the device
+        (its old shards were dropped when they were sent). CUDA: synchronize first, so no
+        kernel of this device is in flight when the cache is emptied."""
         t0 = time.time()
-        self._moments_done.wait()
-        self._old_moments = None
-        if self.torch_device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.moments.require_done()
+        release_device_memory(self.torch_device)
         return {"t0": t0, "t1": time.time()}
 
     def load_weights(self, version: int, step: int) -> dict:
@@ -174,6 +155,5 @@ class ResizeOpsMixin:
         elif self.engine is not None:
             self.engine.release()
         self.engine, self.role = None, "joining"
-        if self.torch_device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(self.torch_device)
         return {"t0": t0, "t1": time.time(), "memory_freed": freed}

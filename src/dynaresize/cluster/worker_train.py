@@ -93,10 +93,9 @@ class TrainStageMixin:
 
     def _optimizer_step(self, stats: dict, t0: float) -> dict:
         t_grads = time.time()
-        self._run_deferred_moments()  # NCCL: see the module docstring
-        self._moments_done.wait()  # optimizer moments moved in the background must be here now
-        if self._moments_error is not None:
-            raise self._moments_error
+        # The moments of the last resize moved on this thread before this call (the driver queued
+        # their hand-off first); a pending or failed hand-off stops the step (cluster/handoff.py).
+        self.moments.require_done()
         t_wait = time.time()
         stats.update(self.trainer.apply_optimizer())
         stats.update(t0=t0, t_grads=t_grads, t_wait=t_wait, t1=time.time(), device=self.device,

@@ -15,9 +15,10 @@ ordered list of rank sets to every worker. Because every rank sees the same sequ
 holds the same keys on every rank, so a cache hit is skipped consistently everywhere.
 The pool's lock guards its maps and counts only and is never held across `new_group` (which
 blocks until every rank calls it): a thread reading the pool is never held behind a peer. The
-order of creations across ranks is the driver's business: it issues them from one place and
-never two at once on a worker (`Cluster.wait_prewarm`); a second thread creating the same set
-while the first is still in `new_group` is refused.
+order of creations across ranks is the driver's business: it issues them from one place. A
+device worker names its issuing thread (`issuer`, cluster/worker.py: every collective of a
+device comes from one thread) and the pool refuses creation from any other; without an issuer,
+a second thread creating the same set while the first is still in `new_group` is refused.
 
 Other invariants:
 - Every group gets the pool's explicit timeout.
@@ -53,11 +54,13 @@ def _key(ranks: Iterable[int], tag: str) -> tuple[str, RankSet]:
 class CommPool:
     """Groups of the live world, created once per (tag, rank set) and cached."""
 
-    def __init__(self, *, timeout_s: float, backend: str | None = None) -> None:
+    def __init__(self, *, timeout_s: float, backend: str | None = None, issuer: int | None = None) -> None:
+        """`issuer`: the `threading.get_ident()` of the only thread allowed to create groups."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
         self._timeout = timedelta(seconds=timeout_s)
         self._backend = backend  # None: the world's backend
+        self._issuer = issuer
         self._groups: dict[tuple[str, RankSet], object | None] = {}
         self._creating: set[tuple[str, RankSet]] = set()  # keys whose `new_group` is in flight
         self._lock = threading.Lock()  # guards the maps and counts only, never held across a call that blocks
@@ -74,6 +77,10 @@ class CommPool:
         device's first useful work waits for this call; it only affects the counts.
         """
         key = _key(ranks, tag)
+        if self._issuer is not None and threading.get_ident() != self._issuer:
+            raise RuntimeError(f"CommPool.create: ranks {key[1]} (tag {tag!r}) from thread "
+                               f"{threading.current_thread().name!r}, not the device's issuing thread: every "
+                               "collective of a device is issued by one thread (cluster/worker.py)")
         with self._lock:
             if key in self._groups:
                 self._num_cache_hits += 1

@@ -33,7 +33,7 @@ storage).
 Kinds: state kinds may have different dtypes (fp32 params and moments, int64 counters); they
 travel together as bytes (uint8 views), so one message per chunk carries all of them. A caller
 may move a subset of kinds (`kinds=`) on a group of its choice (`group=`), e.g. parameters on
-the critical path first, optimizer moments later on another group in a background thread;
+the critical path first, optimizer moments later on another group (cluster/handoff.py);
 moving the kinds in two passes gives exactly the result of one pass. Two concurrent calls must
 use different groups. Tensors may live on CUDA (the staging buffer is then on the same device,
 and the backend must be NCCL).
