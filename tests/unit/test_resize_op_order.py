@@ -97,3 +97,23 @@ def test_moments_move_on_every_device_of_a_rollout_to_train_resize_after_its_cri
     queued = [i for i, e in enumerate(log) if e[:2] == ("queued", "reshard_moments")]
     assert queued and min(queued) > last_critical  # background: after every critical op, not waited for
     assert {d for _, n, d in log if n == "reshard_moments"} == set(plan.src.devices("train")) | {joiner}
+
+
+def test_pre_warm_skips_held_sets_and_starts_over_in_a_new_world():
+    """Sets every worker holds are not pre-warmed again; after a restart (naive resize) or a
+    recovery no worker holds any, so all are (before: the bench's optimized resizes after a
+    naive restart created their groups on the critical path)."""
+    from dynaresize.cluster.cluster import Cluster
+
+    cluster = Cluster(build_config({"cluster": {"devices": 4, "rollout_devices": 2}}))
+    log: list = []
+    cluster.workers = [_Worker(log, d) for d in range(4)]
+    a = Assignment.split(4, 2)
+    first = cluster._prewarm(a)
+    n_sets = len(cluster._prewarm_sets)
+    assert len(first) == 4 and n_sets > 0  # every worker gets the same list
+    cluster._known_sets.update((tuple(s), "") for s in cluster._prewarm_sets)
+    assert cluster._prewarm(a) == [] and cluster._prewarm_sets == []  # all held: no call at all
+    cluster.forget_groups()
+    again = cluster._prewarm(a)
+    assert len(again) == 4 and len(cluster._prewarm_sets) == n_sets

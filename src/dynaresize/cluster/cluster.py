@@ -203,6 +203,12 @@ class Cluster(StagesMixin):
             return []
         return [w.prewarm_groups.remote(sets) for w in self.workers]
 
+    def forget_groups(self) -> None:
+        """The world is new (a naive restart, a recovery): no worker holds any group yet, and
+        pre-warms in flight belonged to the old one."""
+        self._known_sets.clear()
+        self._prewarm_futures, self._prewarm_sets = [], []
+
     def wait_prewarm(self) -> int:
         futures, self._prewarm_futures = self._prewarm_futures, []
         out = self.wait(list(enumerate(futures)), "pre-warm groups") if futures else []

@@ -134,7 +134,7 @@ def naive_resize(cluster: Cluster, plan: ResizePlan, *, version: int, step: int,
             ray.kill(w, no_restart=True)
         _wait_dead(old, cluster.cfg.timeouts.actor_call_s)
         cluster.workers = []
-        cluster._prewarm_futures = []  # they referred to the dead workers
+        cluster.forget_groups()  # new processes, a new world: nothing is cached, nothing in flight
         phase(TEARDOWN, t0, time.time())
 
         # 3. New worker processes in the same bundles (process start, imports, config).

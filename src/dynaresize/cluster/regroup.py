@@ -56,7 +56,7 @@ def new_generation(cluster: Any, survivors: list[int], assignment: Assignment) -
     cluster.num_devices = len(survivors)
     cluster.generation += 1
     cluster.watchdog.clear(cluster.num_devices)
-    cluster._prewarm_futures = []  # settled: they ran (or failed) in the old world
+    cluster.forget_groups()  # settled: pre-warms ran (or failed) in the old world, whose groups are gone
     b = cluster.bounds
     cluster.bounds = Bounds(num_devices=cluster.num_devices, min_rollout=b.min_rollout, min_train=b.min_train,
                             move_unit=b.move_unit)
