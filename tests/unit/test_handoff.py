@@ -1,4 +1,10 @@
-"""The moments' hand-off as an explicit state (cluster/handoff.py): transitions, events, errors."""
+"""The moments' hand-off as an explicit state (cluster/handoff.py): transitions, events, errors.
+
+Before: two loose fields (`_moments_done`, an Event, and `_inline_moments`, a callable) written
+by one thread and read by another without synchronisation; a trainer whose moments were never
+moved waited at `_moments_done.wait()` forever, and nothing told a pending hand-off from a lost
+one. Now a step on a pending hand-off raises at once (`test_an_optimizer_step_refuses...`).
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ for the cluster: which worker method runs when, and what the driver waits for.
 - Every background op is queued (not waited for) after the critical ones, so on each device it
   runs ahead of any later stage work (the one-issuing-thread rule, cluster/worker.py).
 - On GPUs a device leaving training hands its moments on and frees its memory before its engine
-  starts (`load_weights`), waited for and recorded as critical.
+  starts (`load_weights`), waited for and recorded as critical. Before: the GPU case failed
+  here, the moments were deferred past `load_weights` (to the trainers' next optimizer step),
+  so the engine started on a device still holding its moment shards.
 """
 
 from __future__ import annotations
