@@ -128,6 +128,7 @@ class RolloutConfig:
                  self.vllm_kv_cache_bytes, "must be 0 (sized for the device) or >= 1048576 (1 MiB)")
 
 
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # rl.grpo
 MAX_STALENESS = 4  # streaming keeps up to staleness + 2 weight versions on the driver (docs/pipeline.md)
 
 
@@ -149,6 +150,14 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # linear/cosine decay ends at lr * min_lr_ratio
     max_grad_norm: float = 0.0  # clip the gradient by its global norm; 0: no clipping
     old_logprobs: str = "auto"  # engine | recompute | auto (recompute unless the engine's are exact)
+    clip_ratio_low: float | None = None  # ratio clipped below at 1 - this; None: clip_eps
+    clip_ratio_high: float | None = None  # ... and above at 1 + this (DAPO clip-higher: 0.28); None: clip_eps
+    clip_ratio_c: float = 0.0  # dual-clip PPO: a negative advantage's loss capped at -A * c; 0: off, else > 1
+    loss_agg_mode: str = "token-mean"  # or seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    norm_adv_by_std: bool = True  # advantage (r - mean) / (std + 1e-6) per group; False: r - mean (Dr. GRPO)
+    adv_std: str = "sample"  # the group std: sample (ddof=1, as verl and TRL) | population (ddof=0)
+    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy, aggregated like the loss
+    kl_penalty: str = "loss"  # where kl_coef's KL goes: loss (reward, verl's use_kl_in_reward: refused)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.lr > 0, "lr", self.lr, "must be > 0")
@@ -170,6 +179,20 @@ class TrainConfig:
         err.need(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "must be >= 0 (0: no clipping)")
         err.need(self.old_logprobs in ("auto", "engine", "recompute"), "old_logprobs", self.old_logprobs,
                  "must be auto, engine or recompute")
+        for name, v in (("clip_ratio_low", self.clip_ratio_low), ("clip_ratio_high", self.clip_ratio_high)):
+            err.need(v is None or (math.isfinite(v) and v > 0), name, v, "must be > 0 (or unset: clip_eps)")
+        err.need(None in (self.clip_ratio_low, self.clip_ratio_high) or self.clip_eps == TrainConfig.clip_eps,
+                 "clip_eps", self.clip_eps, "unused when clip_ratio_low and clip_ratio_high are both set: unset one")
+        err.need(self.clip_ratio_c == 0 or (math.isfinite(self.clip_ratio_c) and self.clip_ratio_c > 1),
+                 "clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip PPO), or 0 (off)")
+        err.need(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", self.loss_agg_mode,
+                 f"must be one of {', '.join(LOSS_AGG_MODES)}")
+        err.need(self.adv_std in ("sample", "population"), "adv_std", self.adv_std, "must be sample or population")
+        err.need(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0, "entropy_coef", self.entropy_coef,
+                 "must be >= 0")
+        err.need(self.kl_penalty == "loss", "kl_penalty", self.kl_penalty, "must be loss" if self.kl_penalty != "reward"
+                 else "not supported: a KL reward penalty (verl's use_kl_in_reward) needs the reference log-probs "
+                 "before the advantages, and the trainers compute them in the loss; use loss (kl_coef, kl_estimator)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,6 +327,8 @@ class RunConfig:
             err.need(self.train.dtype == "fp32", "train.dtype", self.train.dtype,
                      "deterministic mode needs fp32 (bf16 rounding depends on how work is split)")
         t = self.train
+        err.need(self.rollout.samples_per_prompt != 1, "rollout.samples_per_prompt", 1, "must be >= 2 for GRPO: " + (
+            "train.norm_adv_by_std=True divides by the group's std" if t.norm_adv_by_std else "r - group mean is 0"))
         if t.lr_schedule != "constant":
             err.need(self.steps > t.warmup_steps, "train.warmup_steps", t.warmup_steps,
                      f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")

@@ -84,12 +84,24 @@ def test_malformed_config_and_faults_list_every_error(tmp_path, capsys):
     (("--set", "policy.move_unit=2"), "not a multiple of move_unit 2"),
     (("--set", "rollout.length_workload=bogus"), "rollout.length_workload='bogus': neither a known workload"),
     (("--set", "train.dtype=bf16", "--deterministic"), "train.dtype='bf16': deterministic mode needs fp32"),
+    # the loss variants (docs/training.md): each bad value names its field and value
+    (("--set", "rollout.samples_per_prompt=1"), ("rollout.samples_per_prompt=1: must be >= 2 for GRPO: "
+                                                 "train.norm_adv_by_std=True divides by the group's std")),
+    (("--set", "train.loss_agg_mode=seq-mean"), "train.loss_agg_mode='seq-mean': must be one of token-mean"),
+    (("--set", "train.clip_ratio_c=0.5"), "train.clip_ratio_c=0.5: must be > 1"),
+    (("--set", "train.clip_ratio_high=-1"), "train.clip_ratio_high=-1.0: must be > 0"),
+    (("--set", "train.clip_eps=0.1", "--set", "train.clip_ratio_low=0.2", "--set", "train.clip_ratio_high=0.28"),
+     "train.clip_eps=0.1: unused when clip_ratio_low and clip_ratio_high are both set"),
+    (("--set", "train.adv_std=biased"), "train.adv_std='biased': must be sample or population"),
+    (("--set", "train.entropy_coef=-0.01"), "train.entropy_coef=-0.01: must be >= 0"),
+    (("--set", "train.kl_penalty=reward"), "train.kl_penalty='reward': not supported"),
 ])
 def test_what_the_run_cannot_start_with_is_a_config_error(tmp_path, capsys, args, needle):
     out = tmp_path / "r"
     code = _run("--out", str(out), *args)
     err = capsys.readouterr().err
     assert code == 2 and needle in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if needle in line]) == 1  # one line
     assert not out.exists()
 
 

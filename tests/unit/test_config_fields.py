@@ -337,6 +337,30 @@ def _train_steps(cfg: RunConfig, steps: int = 2) -> list:
     return out
 
 
+def _loss_terms(cfg: RunConfig) -> tuple:
+    """The worker's own loss function (`DeviceWorker._loss_fn`) over the samples of
+    `_train_samples` with behaviour log-probs below the model's (every ratio ~5 > 1 + any clip,
+    where `_train_steps`' are all below 1 - clip): the step's loss and its gradient."""
+    import dataclasses
+
+    from dynaresize.cluster.worker import DeviceWorker
+    from dynaresize.rl import grpo
+    from dynaresize.rl.models import build_model
+
+    model = build_model(cfg.model)
+    worker = DeviceWorker.__new__(DeviceWorker)
+    worker._parked = None  # set by __init__, which these probes skip
+    worker.cfg, worker.trainer = cfg, SimpleNamespace(ref=None)
+    samples = [dataclasses.replace(s, rollout_logprobs=[-8.0] * len(s.response_ids)) for s in _train_samples(cfg)]
+    fn = worker._loss_fn(grpo.total_response_tokens(samples))
+    total = 0.0
+    for mb in grpo.micro_batches(samples, cfg.train.micro_batch_size):
+        loss, _ = fn(model, mb)
+        loss.backward()
+        total += loss.item()
+    return round(total, 6), _digest(*(p.grad for p in model.parameters() if p.grad is not None))
+
+
 class _Mesh:
     @staticmethod
     def from_group(group: Any, device_type: str) -> None:
@@ -773,7 +797,9 @@ EVIDENCE: dict[str, tuple] = {
     "train.weight_decay": (Probe(0.5, _train_steps),),
     "train.betas": (Probe([0.5, 0.9], _train_steps),),
     "train.eps": (Probe(1.0, _train_steps),),
-    "train.clip_eps": (Probe(5.0, _train_steps),),
+    "train.clip_eps": (Probe(5.0, _train_steps), Probe(0.1, _loss_terms),
+                       Refused(0.1, "train.clip_eps=0.1: unused when clip_ratio_low and clip_ratio_high",
+                               base={"train": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}})),
     "train.kl_coef": (Probe(0.1, _train_steps),
                       Runtime("tests/e2e/test_run.py::test_bf16_with_kl_schedule_and_clipping_through_resizes",
                               "with kl_coef=0.05 the recorded KL is 0 at step 0 and > 0 after")),
@@ -794,6 +820,23 @@ EVIDENCE: dict[str, tuple] = {
     "train.min_lr_ratio": (Probe(0.5, _train_steps, base={"train": {"lr_schedule": "linear"}}),),
     "train.max_grad_norm": (Probe(0.01, _train_steps),),
     "train.old_logprobs": (Probe("recompute", _behaviour_logprobs),),
+    "train.clip_ratio_low": (Probe(0.5, _train_steps), Refused(0, "train.clip_ratio_low=0")),
+    "train.clip_ratio_high": (Probe(0.28, _loss_terms), Refused(-0.1, "train.clip_ratio_high=-0.1"),
+                              Runtime("tests/e2e/test_loss_variants.py::"
+                                      "test_loss_variants_deterministic_run_with_resizes_equals_static_run",
+                                      "with clip_ratio_high=0.28 (and the other loss variants) a run with resizes "
+                                      "equals the static run")),
+    "train.clip_ratio_c": (Probe(3.0, _loss_terms), Refused(1.0, "train.clip_ratio_c=1.0: must be > 1")),
+    "train.loss_agg_mode": (Probe("seq-mean-token-sum", _train_steps), Probe("seq-mean-token-mean", _train_steps),
+                            Probe("seq-mean-token-sum-norm", _train_steps),
+                            Refused("seq-mean", "train.loss_agg_mode='seq-mean': must be one of")),
+    "train.norm_adv_by_std": (Probe(False, _scores),
+                              Refused(True, "rollout.samples_per_prompt=1: must be >= 2",
+                                      base={"rollout": {"samples_per_prompt": 1}})),
+    "train.adv_std": (Probe("population", _scores), Refused("biased", "train.adv_std='biased'")),
+    "train.entropy_coef": (Probe(0.01, _train_steps), Refused(-0.1, "train.entropy_coef=-0.1")),
+    "train.kl_penalty": (Refused("reward", "train.kl_penalty='reward': not supported"),
+                         Refused("sum", "train.kl_penalty='sum': must be loss")),
     "policy.name": (Probe("greedy", _decisions, base=POLICY_BASE),),
     "policy.static_rollout": (Probe(4, _decisions, base=merge(POLICY_BASE, {"policy": {"name": "static"}})),),
     "policy.schedule": (Probe("3:4,9:1", _decisions,

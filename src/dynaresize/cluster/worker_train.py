@@ -21,8 +21,14 @@ from dynaresize.rl import grpo
 class TrainStageMixin:
     """Training-step methods of `DeviceWorker` (see the module docstring)."""
 
-    def _loss_fn(self, total_tokens: int, ref_logprobs: dict | None) -> Callable:
+    def _loss_fn(self, total_tokens: int | None, ref_logprobs: dict | None = None) -> Callable:
+        """The loss of a micro-batch (`grpo.micro_batch_loss` with the run's `train.*` loss
+        settings). `total_tokens`, the step's response tokens: each micro-batch's loss is
+        divided by the step's loss denominator (`_loss_denominator`), so the step's loss is the
+        sum over its micro-batches whichever trainer ran them; None: not divided (a streaming
+        part: `train_part` scales the step's gradient once its last part is in)."""
         tc, temperature = self.cfg.train, self.cfg.rollout.temperature
+        denominator = 1 if total_tokens is None else self._loss_denominator(total_tokens)
 
         def loss_fn(model: torch.nn.Module, mb: list | None) -> tuple[torch.Tensor, dict]:
             dummy = mb is None
@@ -32,12 +38,29 @@ class TrainStageMixin:
                 with torch.no_grad():
                     refs = grpo.response_logprobs(self.trainer.ref, batch, temperature=temperature)
             stats: dict = {}
-            loss = grpo.micro_batch_loss(model, batch, total_response_tokens=total_tokens, clip_eps=tc.clip_eps,
-                                         kl_coef=tc.kl_coef, ref_logprobs=refs, kl_estimator=tc.kl_estimator,
-                                         temperature=temperature, stats=stats)
+            loss = grpo.micro_batch_loss(model, batch, denominator=denominator, clip_eps=tc.clip_eps,
+                                         clip_ratio_low=tc.clip_ratio_low, clip_ratio_high=tc.clip_ratio_high,
+                                         clip_ratio_c=tc.clip_ratio_c, loss_agg_mode=tc.loss_agg_mode,
+                                         max_response_tokens=self.cfg.rollout.max_new_tokens,
+                                         entropy_coef=tc.entropy_coef, kl_coef=tc.kl_coef, ref_logprobs=refs,
+                                         kl_estimator=tc.kl_estimator, temperature=temperature, stats=stats)
             return (loss * 0.0, {}) if dummy else (loss, stats)
 
         return loss_fn
+
+    def _loss_denominator(self, total_tokens: int, num_micro_batches: int | None = None) -> int:
+        """The step's loss denominator (`grpo.loss_denominator`): its response tokens, or for the
+        seq-mean modes its sequences. A step's sequences are fixed by the config (every prompt of
+        the step, every sample of each: `Job.expected_ids`, each consumed once by the ledger), so
+        every trainer knows them, whatever the share of the step it was given; a step of another
+        size (as `num_micro_batches` shows) is refused."""
+        rc, tc = self.cfg.rollout, self.cfg.train
+        sequences = rc.prompts_per_step * rc.samples_per_prompt
+        if (tc.loss_agg_mode != "token-mean" and num_micro_batches is not None
+                and num_micro_batches != -(-sequences // tc.micro_batch_size)):
+            raise ValueError(f"{num_micro_batches} micro-batches for a step of {sequences} sequences "
+                             f"(train.loss_agg_mode={tc.loss_agg_mode!r} divides by the step's sequences)")
+        return grpo.loss_denominator(tc.loss_agg_mode, tokens=total_tokens, sequences=sequences)
 
     def recompute_logprobs(self, micro_batches: list[tuple[int, list]], num_micro_batches: int,
                            rounds: int | None = None) -> dict:
@@ -58,7 +81,8 @@ class TrainStageMixin:
         t0 = time.time()
         micro_batches = self._with_old_logprobs(micro_batches, num_micro_batches)
         self.trainer.model.train()
-        stats = self.trainer.compute_grads(micro_batches, self._loss_fn(total_tokens, None),
+        self._loss_denominator(total_tokens, num_micro_batches)  # a step of another size: refused before any work
+        stats = self.trainer.compute_grads(micro_batches, self._loss_fn(total_tokens),
                                            num_micro_batches=num_micro_batches)
         return self._optimizer_step(stats, t0)
 
@@ -66,10 +90,11 @@ class TrainStageMixin:
                    num_micro_batches: int, total_tokens: int | None) -> dict:
         """Part of a streaming step's training (the trainers accumulate as a step's groups arrive):
         forward/backward of this rank's `micro_batches` over `rounds` rounds (every trainer gets
-        the same `rounds`), added to the step's gradient (`begin`: its first part). The loss is a
-        sum over tokens here; the last part (`total_tokens` given: the step's token count, known
-        once its samples are all in) scales the gradient by 1 / total_tokens and applies the
-        optimizer step, so the update equals `train` on the whole step."""
+        the same `rounds`), added to the step's gradient (`begin`: its first part). The loss is
+        not divided here; the last part (`total_tokens` given: the step's token count, known once
+        its samples are all in) scales the gradient by 1 / the step's loss denominator
+        (`_loss_denominator`) and applies the optimizer step, so the update equals `train` on the
+        whole step."""
         if begin:
             self._maybe_fault("train", step)
             self._pin_threads()
@@ -78,10 +103,11 @@ class TrainStageMixin:
         if rounds:
             micro_batches = self._with_old_logprobs(micro_batches, num_micro_batches, rounds=rounds)
             self.trainer.model.train()
-            self.trainer.add_grads(micro_batches, self._loss_fn(1, None), rounds=rounds)
+            self.trainer.add_grads(micro_batches, self._loss_fn(None), rounds=rounds)
         if total_tokens is None:
             return {"t0": t0, "t1": time.time(), "device": self.device}
-        stats = self.trainer.reduce_grads(num_micro_batches=num_micro_batches, scale=1.0 / max(total_tokens, 1))
+        denominator = self._loss_denominator(total_tokens, num_micro_batches)
+        stats = self.trainer.reduce_grads(num_micro_batches=num_micro_batches, scale=1.0 / denominator)
         return self._optimizer_step(stats, t0)
 
     def _with_old_logprobs(self, micro_batches: list[tuple[int, list]], num_micro_batches: int,

@@ -134,7 +134,9 @@ class Job:
             value, error = rewards.score(self.reward_fn, record["prompt"], text, fields, self.cfg.task.on_reward_error)
             ledger.scored(sid, value, error)
             rewards_out.append(value)
-        advantages = grpo.group_advantages(rewards_out, self.cfg.rollout.samples_per_prompt)
+        tc = self.cfg.train
+        advantages = grpo.group_advantages(rewards_out, self.cfg.rollout.samples_per_prompt,
+                                           norm_by_std=tc.norm_adv_by_std, std=tc.adv_std)
         samples = [grpo.TrainSample(sample_id=sid, prompt_ids=self._encode(records[sid[1]]),
                                     response_ids=list(by_id[sid][1].response_ids),
                                     rollout_logprobs=list(by_id[sid][1].logprobs), advantage=adv)
