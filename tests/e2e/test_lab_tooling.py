@@ -4,7 +4,8 @@ made once through the CLI with `--set logging.backends=tensorboard,mlflow[,wandb
 
 - the unfired fault is a warning on stderr and listed in the summary's `faults_unfired`;
 - TensorBoard's own reader finds every scalar the step and resize records carry, with their
-  values; the MLflow client reads the same metrics back; W&B's offline run (where installed);
+  values; `mlflow.search_runs` on the run's SQLite store reads the same metrics back (no
+  MLFLOW_ALLOW_FILE_STORE); W&B's offline run (where installed);
 - `dynaresize report` on the run directory renders every figure in headless Chromium.
 
 The run evaluates on held-out prompts after steps 1 and 3 (`eval.every_steps=2`), so the eval
@@ -95,13 +96,16 @@ def test_tensorboard_reader_finds_every_scalar_of_the_run(lab_run):
     assert "events/resize.0/text_summary" in acc.Tags()["tensors"]
 
 
-def test_mlflow_client_reads_the_run_back(lab_run, monkeypatch):
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+def test_mlflow_reads_the_run_back_from_its_sqlite_store(lab_run, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # MLflow 3.17+ needs it for a file store, not SQLite
+    import mlflow
     from mlflow.tracking import MlflowClient
 
     run, _ = lab_run
-    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
-    (mrun,) = client.search_runs([client.get_experiment_by_name("dynaresize").experiment_id])
+    uri = f"sqlite:///{(run / 'mlruns' / 'mlflow.db').resolve()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    (mrun,) = mlflow.search_runs(experiment_names=["dynaresize"], output_format="list")
+    client = MlflowClient(tracking_uri=uri)
     assert mrun.info.run_name == "run" and mrun.info.status == "FINISHED"
     for name, by_step in _want(run).items():
         hist = client.get_metric_history(mrun.info.run_id, name)

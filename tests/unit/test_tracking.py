@@ -1,5 +1,6 @@
 """Experiment trackers (dynaresize.tracking) fed synthetic records, read back with each tool's
-own reader: TensorBoard's EventAccumulator, MLflow's MlflowClient, W&B's offline run files.
+own reader: TensorBoard's EventAccumulator, MLflow's search_runs on the run's SQLite store, W&B's
+offline run files.
 
 The records carry every field a step record may have (the trainer's metrics too), so every
 scalar name docs/records.md documents must come out; a step without some fields just lacks
@@ -10,6 +11,8 @@ recorder.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import re
 from pathlib import Path
 
@@ -126,21 +129,37 @@ def test_tensorboard_event_files_hold_every_scalar(tmp_path):
     assert {"events/resize.0/text_summary", "events/fault.step1.device2/text_summary"} <= set(tags["tensors"])
 
 
-def test_mlflow_run_reads_back_with_the_mlflow_client(tmp_path, monkeypatch):
+def test_mlflow_run_reads_back_from_its_sqlite_store_with_no_environment_variable(tmp_path, monkeypatch):
+    """The run's store is SQLite (MLflow 3.17+ refuses a file store unless MLFLOW_ALLOW_FILE_STORE
+    is set): `mlflow.search_runs` on its URI returns the run's metrics with that variable unset,
+    and the artifact lands in the run directory."""
     pytest.importorskip("mlflow", reason="the mlflow extra is not installed (make setup installs it)")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    pytest.importorskip("sqlalchemy", reason="the mlflow extra is not installed (make setup installs it)")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # anything MLflow wrote beside the run directory would show here
+    import mlflow
     from mlflow.tracking import MlflowClient
 
-    with Recorder(tmp_path / "records.jsonl", sinks=open_sinks(["mlflow"], tmp_path, run_name="r1")) as rec:
+    with Recorder(tmp_path / "r" / "records.jsonl", sinks=open_sinks(["mlflow"], tmp_path / "r", run_name="r1")) as rec:
         _feed(rec)
-    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
-    (run,) = client.search_runs([client.get_experiment_by_name("dynaresize").experiment_id])
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    db = tmp_path / "r" / "mlruns" / "mlflow.db"
+    assert db.is_file() and db.read_bytes().startswith(b"SQLite format 3")
+    uri = f"sqlite:///{db}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    (run,) = mlflow.search_runs(experiment_names=["dynaresize"], output_format="list")
     assert run.info.run_name == "r1" and run.info.status == "FINISHED"
+    client = MlflowClient(tracking_uri=uri)
     for name, by_step in _expected().items():
         hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
         assert hist == pytest.approx(by_step), name
+        assert run.data.metrics[name] == pytest.approx(by_step[max(by_step)]), name
     assert run.data.params["policy.name"] == "scripted" and run.data.metrics["summary/samples_per_s"] == 3.5
     assert run.data.tags["resize.0"].startswith("resize 0 after step 1: 2R:2T -> 3R:1T")
+    (artifact,) = (tmp_path / "r" / "mlruns" / "artifacts").rglob("summary.json")
+    assert json.loads(artifact.read_text())["samples_per_s"] == 3.5
 
 
 def test_wandb_offline_run_files_are_written(tmp_path, monkeypatch):
