@@ -7,7 +7,8 @@ field (each section's own `check`), then the checks that need the cost models (t
 accelerator, `emulate.check`), and raises one `ConfigError` listing every bad field path and
 value. The resolved config is `config_to_dict(cfg)`, saved with every run.
 
-No Ray or torch; I/O only in `load_file` (reads a TOML/YAML/JSON file).
+No Ray or torch; I/O only in `load_file` (reads a TOML/YAML/JSON file) and in the `model.path`
+check (`rl/model_path.py`: lists the folder, reads its config.json).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from dynaresize.config import RunConfig, _Errors
 from dynaresize.emulate.check import check_config
 from dynaresize.errors import ConfigError
+from dynaresize.rl.model_path import model_path_problem
 
 
 def _coerce(tp: Any, value: Any, path: str, err: _Errors) -> Any:
@@ -127,6 +129,8 @@ def build_config(data: dict, cls: type = RunConfig) -> Any:
     if isinstance(cfg, RunConfig):  # cross-checks that need the cost models (emulated accelerators)
         for path, value, message in check_config(cfg):
             err.add(path, value, message)
+        if cfg.model.path is not None and (problem := model_path_problem(cfg.model.path)):
+            err.add("model.path", cfg.model.path, problem)  # the folder's files (rl/model_path.py)
     if err.lines:
         raise ConfigError(err.lines)
     return cfg

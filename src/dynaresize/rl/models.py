@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from dynaresize.config import ModelConfig
+from dynaresize.errors import ConfigError
+from dynaresize.rl.model_path import model_path_problem
 
 if TYPE_CHECKING:
     import torch
@@ -180,6 +182,38 @@ def hf_config(cfg: ModelConfig) -> Any:
 def max_positions(cfg: ModelConfig) -> int:
     """The longest sequence (prompt + response) the model takes: its max_position_embeddings."""
     return int(getattr(hf_config(cfg), "max_position_embeddings", 1 << 30))
+
+
+def model_problem(cfg: ModelConfig) -> str | None:
+    """What keeps `cfg.path` from loading as a causal LM, as one sentence (None: it loads, or the
+    built-in model): the folder's files (`rl.model_path`, also checked at config time), then
+    whether transformers reads its config.json and has a causal-LM class for its model_type.
+    Imports transformers (and so torch)."""
+    if cfg.path is None:
+        return None
+    if problem := model_path_problem(cfg.path):
+        return problem
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.path)
+    except Exception as exc:  # an unknown model_type, custom code, a malformed field: one line
+        first = (str(exc).strip().splitlines() or ["no message"])[0]
+        return f"transformers {transformers.__version__} cannot read its config.json ({type(exc).__name__}: {first})"
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+        return (f"model_type {config.model_type!r} ({archs}) is not a causal LM transformers {transformers.__version__} "
+                "knows (AutoModelForCausalLM has no class for it)")
+    return None
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """Raise ConfigError (exit 2: one line naming model.path and what is wrong) if `model_problem`
+    finds something; call it before anything is written."""
+    if problem := model_problem(cfg):
+        raise ConfigError([f"model.path={cfg.path!r}: {problem}"])
 
 
 def build_model(cfg: ModelConfig) -> "torch.nn.Module":
