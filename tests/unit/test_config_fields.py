@@ -822,7 +822,7 @@ EVIDENCE: dict[str, tuple] = {
     "train.old_logprobs": (Probe("recompute", _behaviour_logprobs),),
     "train.clip_ratio_low": (Probe(0.5, _train_steps), Refused(0, "train.clip_ratio_low=0")),
     "train.clip_ratio_high": (Probe(0.28, _loss_terms), Refused(-0.1, "train.clip_ratio_high=-0.1"),
-                              Runtime("tests/e2e/test_loss_variants.py::"
+                              Runtime("tests/e2e/test_loss_variants_run.py::"
                                       "test_loss_variants_deterministic_run_with_resizes_equals_static_run",
                                       "with clip_ratio_high=0.28 (and the other loss variants) a run with resizes "
                                       "equals the static run")),

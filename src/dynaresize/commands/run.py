@@ -116,7 +116,6 @@ def _check_faults(cfg) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dynaresize.driver.recovery import RunStopped
     from dynaresize.errors import RewardError, UserError
 
     point = None
@@ -136,8 +135,12 @@ def main(args: argparse.Namespace) -> int:
         cfg = resolve_config(args)
         out = args.out
     _check_faults(cfg)
+    from dynaresize.rl.models import check_model
+
+    check_model(cfg.model)  # transformers reads the folder's config (exit 2, nothing written)
     if cfg.cluster.emulate:
         print(emulation_banner(cfg), flush=True)
+    from dynaresize.driver.recovery import RunStopped  # torch and Ray: only once the config holds
     from dynaresize.driver.run import run_job
 
     try:

@@ -15,7 +15,7 @@ Invariants: a backend's library is imported only when the backend is named, so n
 dependency (extras `dynaresize[tensorboard|mlflow|wandb]`); a backend named but not installed
 is a `ConfigError` before anything is written (`check_backends`); files go under the run
 directory only (`tensorboard/`, `mlruns/`, `wandb/`), and nothing reaches the network (W&B runs
-offline, MLflow uses a `file:` store).
+offline, MLflow a SQLite store in `mlruns/mlflow.db`).
 """
 
 from __future__ import annotations
