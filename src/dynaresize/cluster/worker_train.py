@@ -1,7 +1,8 @@
 """The training stage on a device worker: one step's forward, backward and optimizer step on
 this rank's micro-batches, whole (`train`) or in parts as a streaming step's samples arrive
 (`train_part`, docs/pipeline.md). A mixin of `cluster.worker.DeviceWorker`: it uses the
-worker's trainer (`roles/train_fsdp.py`), config, fault points and moment threads.
+worker's trainer (`roles/train_fsdp.py`), config, fault points and moment hand-off
+(cluster/handoff.py).
 
 Micro-batch i of a step runs on the trainer at position i mod W, its composition fixed by
 sample index, so a step's result does not depend on how many trainers there are or on how its
