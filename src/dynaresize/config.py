@@ -67,17 +67,19 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    name: str = "toy-count"  # built-in toy task; ignored when prompts_file is set
-    prompts_file: str | None = None  # JSONL with a `prompt` field per line
+    name: str = "toy-count"  # built-in task: toy-count[:LETTERS] or arith (the math preset's); refused with a dataset
+    dataset: str | None = None  # parquet or JSONL in verl's or TRL's schema (rl/dataset.py, docs/tasks.md)
+    prompts_file: str | None = None  # the old name of `dataset` (a JSONL of `prompt` strings is TRL's schema)
+    columns: dict[str, str] = field(default_factory=dict)  # role -> column: prompt, ground_truth, data_source, extra_info
     reward: str | None = None  # `module:function` or `path/to/file.py:function`
-    on_reward_error: str = "fail"  # fail | zero
+    reward_style: str = "auto"  # auto (from its signature) | dynaresize | verl | trl (rl/rewards.py)
+    reward_workers: int = 1  # reward processes (rl/reward_pool.py); 1: calls one by one in sample-id order
+    reward_timeout_s: float = 60.0  # the deadline of one reward call (a sample; trl: a prompt group)
+    on_reward_error: str = "fail"  # fail | zero: a reward that raises, times out or returns a non-number
     chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's chat template
 
-    def check(self, err: "_Errors") -> None:
-        err.need(self.on_reward_error in ("fail", "zero"), "on_reward_error", self.on_reward_error,
-                 "must be fail or zero")
-        if self.reward is not None:
-            err.need(":" in self.reward, "reward", self.reward, "must be module:function or file.py:function")
+    def check(self, err: "_Errors") -> None:  # every task field, in config_load.check_task (some read files)
+        return None
 
 
 ROLLOUT_ENGINES = ("auto", "vllm", "hf")
@@ -338,10 +340,7 @@ class RunConfig:
             err.need(self.checkpoint.every_steps == 0, "train.staleness", t.staleness,
                      "streaming (>= 2) writes no resumable checkpoint: set checkpoint.every_steps=0, or use 0 or 1")
         e = self.eval
-        if e.every_steps and e.prompts_file is None:
-            err.need(self.task.prompts_file is None, "eval.prompts_file", e.prompts_file,
-                     "needed to evaluate a task from task.prompts_file (held-out prompts come built in "
-                     "only for the built-in task)")
+        if e.every_steps and e.prompts_file is None:  # a task with no held-out prompts: config_load.check_task
             err.need(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts,
                      "must be >= 1 for the built-in task's held-out prompts")
         p, c = self.policy, self.cluster

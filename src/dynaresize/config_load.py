@@ -7,23 +7,27 @@ field (each section's own `check`), then the checks that need the cost models (t
 accelerator, `emulate.check`), and raises one `ConfigError` listing every bad field path and
 value. The resolved config is `config_to_dict(cfg)`, saved with every run.
 
-No Ray or torch; I/O only in `load_file` (reads a TOML/YAML/JSON file) and in the `model.path`
-check (`rl/model_path.py`: lists the folder, reads its config.json).
+No Ray or torch; I/O only in `load_file` (reads a TOML/YAML/JSON file), in the `model.path`
+check (`rl/model_path.py`: lists the folder, reads its config.json) and in `check_task` (the
+dataset file exists).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
-from dynaresize.config import RunConfig, _Errors
+from dynaresize.config import RunConfig, TaskConfig, _Errors
 from dynaresize.emulate.check import check_config
 from dynaresize.errors import ConfigError
+from dynaresize.rl.dataset import ROLES as DATASET_ROLES
 from dynaresize.rl.model_path import model_path_problem
+from dynaresize.rl.rewards import STYLES as REWARD_STYLES
 
 
 def _coerce(tp: Any, value: Any, path: str, err: _Errors) -> Any:
@@ -35,6 +39,17 @@ def _coerce(tp: Any, value: Any, path: str, err: _Errors) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(inner[0], value, path, err)
+    if origin is dict:  # a table from a file, or `key=value,key=value` from --set (task.columns)
+        if isinstance(value, str):
+            pairs = [part.partition("=") for part in value.split(",") if part.strip()]
+            if not all(sep and k.strip() for k, sep, _ in pairs):
+                err.add(path, value, "must be key=value,key=value")
+                return None
+            value = {k.strip(): v.strip() for k, _, v in pairs}
+        if not isinstance(value, dict):
+            err.add(path, value, "must be a table (key=value,key=value)")
+            return None
+        return {str(k): _coerce(typing.get_args(tp)[1], v, f"{path}.{k}", err) for k, v in value.items()}
     if origin is tuple:
         args = typing.get_args(tp)
         if isinstance(value, str):
@@ -131,9 +146,43 @@ def build_config(data: dict, cls: type = RunConfig) -> Any:
             err.add(path, value, message)
         if cfg.model.path is not None and (problem := model_path_problem(cfg.model.path)):
             err.add("model.path", cfg.model.path, problem)  # the folder's files (rl/model_path.py)
+        for path, value, message in check_task(cfg):
+            err.add(path, value, message)
     if err.lines:
         raise ConfigError(err.lines)
     return cfg
+
+
+def check_task(cfg: RunConfig) -> list[tuple[str, Any, str]]:
+    """(path, value, message) for each bad `task.*` field (the dataset's file must exist; its rows
+    are read and checked when the job loads it, before Ray starts: rl/dataset.py), and for
+    evaluation of a task that has no built-in held-out prompts."""
+    t, out = cfg.task, []
+
+    def need(ok: bool, name: str, message: str) -> None:
+        if not ok:
+            out.append((f"task.{name}", getattr(t, name), message))
+
+    need(t.on_reward_error in ("fail", "zero"), "on_reward_error", "must be fail or zero")
+    need(t.reward is None or ":" in t.reward, "reward", "must be module:function or file.py:function")
+    need(t.reward_style in ("auto", *REWARD_STYLES), "reward_style", f"must be auto, {', '.join(REWARD_STYLES)}")
+    need(t.reward_workers >= 1, "reward_workers", "must be >= 1")
+    need(math.isfinite(t.reward_timeout_s) and t.reward_timeout_s > 0, "reward_timeout_s", "must be > 0 (seconds)")
+    need(t.dataset is None or t.prompts_file is None, "prompts_file", "the old name of task.dataset: set only task.dataset")
+    path = t.dataset or t.prompts_file
+    name = "dataset" if t.dataset is not None else "prompts_file"
+    need(path is None or Path(path).is_file(), name, "file not found")
+    need(path is None or t.name == TaskConfig.name, "name",
+         f"unused with task.{name} (a dataset replaces the built-in task): leave task.name unset")
+    need(path is not None or not t.columns, "columns", "only read with task.dataset")
+    for role, column in t.columns.items():
+        need(role in DATASET_ROLES, "columns", f"{role!r} is not a role (roles: {', '.join(DATASET_ROLES)})")
+        need(bool(column), "columns", f"{role}= names no column")
+    e = cfg.eval
+    if e.every_steps and e.prompts_file is None and (path is not None or t.name.partition(":")[0] != TaskConfig.name):
+        out.append(("eval.prompts_file", None, f"needed to evaluate a task from task.{name if path else 'name'}="
+                    f"{path or t.name!r} (held-out prompts come built in only for the toy task)"))
+    return out
 
 
 def config_to_dict(cfg: Any) -> dict:

@@ -18,6 +18,9 @@ loaded this machine is.
 `cpu` is the job at this machine's own speed (no emulation): 4 CPU devices, the `demo`
 workload; `user` starts from it for real prompts, `static` and `deterministic` are it on a fixed
 split and in deterministic mode. Tests build on `cpu`.
+
+`math` is a real math task, offline: grade-school arithmetic word problems in verl's parquet
+schema, graded by math-verify, on the tiny model, 3 CPU devices, with scripted resizes each way.
 """
 
 from __future__ import annotations
@@ -90,6 +93,25 @@ def user() -> dict:
     return cfg
 
 
+def math() -> dict:
+    """A real math task, offline: the built-in `arith` task (grade-school arithmetic word problems
+    generated from a fixed seed into verl's parquet schema, chat prompts, graded by math-verify in
+    two reward workers: rl/math_task.py) on the tiny model at this machine's own speed, 3 CPU
+    devices, natural response lengths, and scripted resizes each way: training gets a device
+    before step 2 and rollout takes it back before step 4 (the policy would need stage times
+    this machine does not give reliably; `--policy hysteresis` runs it under the policy)."""
+    return {
+        "steps": 6,
+        "seed": 0,
+        "cluster": {"devices": 3, "rollout_devices": 2},
+        "task": {"name": "arith", "reward_workers": 2, "reward_timeout_s": 30.0},
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 32,
+                    "synthetic_lengths": False},
+        "policy": {"name": "scripted", "schedule": "2:1,4:2"},
+        "train": {"lr": 5e-3},
+    }
+
+
 PRESETS: dict[str, Callable[[], dict]] = {
     "default": cpu,  # unpaced: emulation only when asked
     "cpu": cpu,
@@ -97,6 +119,7 @@ PRESETS: dict[str, Callable[[], dict]] = {
     "static": static,
     "deterministic": deterministic,
     "user": user,
+    "math": math,
 }
 
 

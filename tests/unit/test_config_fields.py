@@ -171,6 +171,48 @@ CHECKPOINT_DIR = Lazy(lambda: str(_files() / "shared-checkpoints"))
 EVAL_BASE = {"eval": {"every_steps": 2}}  # evaluation on: the mode the other eval fields belong to
 
 
+@functools.lru_cache(maxsize=None)
+def _task_files() -> Path:
+    """A verl-schema parquet with chat prompts, a JSONL with two prompt columns, and rewards
+    of each style (task.dataset, task.columns, task.reward_style, task.reward_timeout_s)."""
+    from dynaresize.rl.dataset import write_parquet
+
+    d = _files() / "task"
+    d.mkdir(exist_ok=True)
+    write_parquet([{"data_source": "s", "prompt": [{"role": "user", "content": f"what is {a} plus {a} ?"}],
+                    "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * a)},
+                    "extra_info": {"index": a}} for a in range(5)], d / "verl.parquet")
+    (d / "qa.jsonl").write_text("".join(json.dumps({"prompt": f"say {c} words", "question": f"which words start "
+                                                    f"with {c} ?"}) + "\n" for c in "dkmst"))
+    (d / "rewards.py").write_text(
+        "import time\n\n"
+        "def verl_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n\n"
+        "def any_style(*args, **kwargs):\n    return float(len(kwargs))  # dynaresize: 0, verl: 4 keywords\n\n"
+        "def nap(prompt, response, fields):\n    if 'kuta' in response:\n        time.sleep(0.4)\n"
+        "    return 1.0\n")
+    return d
+
+
+def _reward_workers(cfg: RunConfig) -> int:
+    """The reward pool the job starts: how many worker processes (`Job.reward_pool`)."""
+    from dynaresize.driver.job import Job
+
+    job = Job(cfg)
+    try:
+        pool = job.reward_pool()
+        pool.start()
+        return len(set(pool.pids()))
+    finally:
+        job.close()
+
+
+VERL_PARQUET = Lazy(lambda: str(_task_files() / "verl.parquet"))
+QA_FILE = Lazy(lambda: str(_task_files() / "qa.jsonl"))
+VERL_REWARD = Lazy(lambda: f"{_task_files() / 'rewards.py'}:verl_score")
+ANY_STYLE_REWARD = Lazy(lambda: f"{_task_files() / 'rewards.py'}:any_style")
+NAP_REWARD = Lazy(lambda: f"{_task_files() / 'rewards.py'}:nap")
+
+
 # ---------------------------------------------------------------- probes: the job (driver side)
 
 
@@ -759,6 +801,27 @@ EVIDENCE: dict[str, tuple] = {
     "task.name": (Probe("toy-count:bk", _requests),),
     "task.prompts_file": (Probe(PROMPTS_FILE, _requests,
                                 base={"task": {"reward": "dynaresize.rl.tasks:toy_count_reward"}}),),
+    "task.dataset": (Probe(VERL_PARQUET, _requests, base={"task": {"reward": VERL_REWARD}}),
+                     Refused(VERL_PARQUET, "task.name='toy-count:bk': unused with task.dataset",
+                             base={"task": {"name": "toy-count:bk", "reward": VERL_REWARD}})),
+    "task.columns": (Probe({"prompt": "question"}, _requests,
+                           base={"task": {"dataset": QA_FILE, "reward": LENGTH_REWARD}}),
+                     Refused("answer=solution", "task.columns={'answer': 'solution'}: 'answer' is not a role",
+                             base={"task": {"dataset": QA_FILE, "reward": LENGTH_REWARD}})),
+    "task.reward_style": (Probe("verl", _scores, base={"task": {"reward": ANY_STYLE_REWARD}}),
+                          Refused("keras", "task.reward_style='keras': must be auto, dynaresize, verl, trl"),
+                          Runtime("tests/e2e/test_user_job.py::test_trl_jsonl_and_reward_function_run_unchanged",
+                                  "auto detects a TRL function from its signature and the run says so")),
+    "task.reward_workers": (Probe(2, _reward_workers),
+                            Refused(0, "task.reward_workers=0: must be >= 1"),
+                            Runtime("tests/unit/test_reward_pool.py::"
+                                    "test_the_pool_kills_and_replaces_a_hung_worker_and_reports_each_fate",
+                                    "two workers score two 1 s calls in about 1 s, in two processes")),
+    "task.reward_timeout_s": (Probe(0.2, _scores, base={"task": {"reward": NAP_REWARD, "on_reward_error": "zero"}}),
+                              Refused(0, "task.reward_timeout_s=0.0: must be > 0"),
+                              Runtime("tests/e2e/test_user_job.py::"
+                                      "test_a_reward_that_raises_or_hangs_follows_on_reward_error",
+                                      "a hung reward times out after the deadline, scored 0 with the sample id")),
     "task.reward": (Probe(LENGTH_REWARD, _scores),),
     "task.on_reward_error": (Probe("zero", _scores, base={"task": {"reward": BROKEN_REWARD}}),),
     "task.chat_template": (Probe(True, _requests, base={"model": {"path": HF_DIR}}),

@@ -8,17 +8,35 @@ many devices each pool has. That is what keeps RL semantics fixed under resizes:
 - the samples of one prompt form one group, the unit the router dispatches, so an engine batch
   always holds the same samples;
 - advantages are normalised per prompt group, and micro-batches are fixed by sample id.
+
+Rewards are computed in the reward pool (`rl.reward_pool`: `task.reward_workers` processes, a
+deadline of `task.reward_timeout_s` per call), in the function's own style (`rl.rewards`). Each
+sample's fate goes into the ledger with its sample id: its reward; or, when the function
+raised, timed out, died or returned a non-number, the reason, and then `task.on_reward_error`
+either stops the step (`fail`: RewardError) or scores it 0.0 (`zero`, in its group like any
+reward). A TRL function's None leaves the sample out: the ledger's `reward_error` says so
+(`left out: ...`, its `reward` is a 0.0 placeholder), its group's mean and std are taken over
+the other samples, and its advantage is 0, so it moves no policy gradient; it stays in its
+step's batch (consumed, micro-batches fixed by sample id), where it still counts in the
+`token-mean` denominator and the KL and entropy terms. A group with fewer than two rewards left
+has advantages 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dynaresize.config import RunConfig
-from dynaresize.driver.ledger import Ledger, token_sha1
+from dynaresize.driver.console import say
+from dynaresize.driver.ledger import Ledger, sample_id_str, token_sha1
+from dynaresize.errors import RewardError
 from dynaresize.rl import data, grpo, rewards, tasks
+from dynaresize.rl.dataset import is_chat
 from dynaresize.rl.models import encode_prompt, load_tokenizer
+from dynaresize.rl.reward_pool import RewardPool
 from dynaresize.rl.seeds import sample_seed
 from dynaresize.roles.base import GenRequest, GenResult
 
@@ -26,9 +44,11 @@ from dynaresize.roles.base import GenRequest, GenResult
 @dataclass
 class ScoredStep:
     samples: list[grpo.TrainSample]
-    mean_reward: float
+    mean_reward: float  # over the samples with a reward (a left-out sample has none)
     num_tokens: int
     longest_tokens: int
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # a dict reward's other keys, log_metric: means
+    left_out: int = 0  # samples a TRL reward left out (None)
 
 
 class Job:
@@ -36,12 +56,34 @@ class Job:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
+        task = tasks.load_task(cfg.task)  # first: a bad dataset or reward is one line before transformers loads
         self.tokenizer = load_tokenizer(cfg.model)
-        task = tasks.load_task(cfg.task)
         self.prompts = task.prompts
-        self.reward_fn: Callable[..., Any] = task.reward_fn
+        self.task = task
+        # In-process and in the dynaresize style (fn(prompt, response, fields)): what evaluation scores with.
+        self.reward_fn: Callable[..., Any] = task.reward_fn if task.reward_style == "dynaresize" \
+            else rewards.Styled(task.reward_fn, task.reward_style)
+        self._pool: RewardPool | None = None  # started on the first step's scoring
         self._prompt_ids: dict[str, list[int]] = {}  # by prompt text: positions hold other prompts each step
+        self._own_template = bool(getattr(self.tokenizer, "chat_template", None))
+        # Chat-message prompts with the built-in tokenizer, which has no template: a small one of ours.
+        self._chat_template = tasks.TINY_CHAT_TEMPLATE if not self._own_template and cfg.model.path is None \
+            and any(is_chat(r["prompt"]) for r in self.prompts) else None
         self._check_lengths()
+        if task.about:
+            say(f"dynaresize: {task.about}")
+
+    def reward_pool(self) -> RewardPool:
+        """The run's reward workers (started on first use, stopped with the job or at exit)."""
+        if self._pool is None:
+            tc = self.cfg.task
+            self._pool = RewardPool(self.task.reward_spec, self.task.reward_style, tc.reward_workers, tc.reward_timeout_s)
+            weakref.finalize(self, self._pool.close)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
     def _check_lengths(self) -> None:
         """Refuse (ConfigError, exit 2) what the model cannot take: a chat template it lacks,
@@ -53,6 +95,9 @@ class Job:
         if self.cfg.task.chat_template and not getattr(self.tokenizer, "chat_template", None):
             errors.append(f"task.chat_template=True: the tokenizer of model.path={self.cfg.model.path!r} "
                           "has no chat template")
+        if not self._own_template and self._chat_template is None and any(is_chat(r["prompt"]) for r in self.prompts):
+            errors.append(f"task {self.task.name!r}: its prompts are chat messages, and the tokenizer "
+                          f"of model.path={self.cfg.model.path!r} has no chat template to render them")
         limit = max_positions(self.cfg.model)
         if rc.max_prompt_tokens + rc.max_new_tokens > limit:
             errors.append(f"rollout.max_prompt_tokens={rc.max_prompt_tokens}: plus rollout.max_new_tokens="
@@ -104,43 +149,108 @@ class Job:
         return self._encode(record)
 
     def _encode(self, record: dict) -> list[int]:
-        """Prompt ids: as one user turn of the chat template (`task.chat_template`) or as is,
-        then truncated to the last `rollout.max_prompt_tokens` (the end holds the question)."""
-        text = record["prompt"]
-        if text not in self._prompt_ids:
-            if self.cfg.task.chat_template:
-                chat = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                          add_generation_prompt=True)
+        """Prompt ids: chat messages rendered with the chat template (the tokenizer's, or for the
+        built-in one `tasks.TINY_CHAT_TEMPLATE`), a string as one user turn of it
+        (`task.chat_template`) or as is; then truncated to the last `rollout.max_prompt_tokens`
+        (the end holds the question)."""
+        prompt = record["prompt"]
+        key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+        if key not in self._prompt_ids:
+            if is_chat(prompt) or self.cfg.task.chat_template:
+                messages = prompt if is_chat(prompt) else [{"role": "user", "content": prompt}]
+                chat = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                          chat_template=self._chat_template)
                 ids = list(self.tokenizer(chat, add_special_tokens=False)["input_ids"])
             else:
-                ids = encode_prompt(self.tokenizer, text)
-            self._prompt_ids[text] = ids[-self.cfg.rollout.max_prompt_tokens:]
-        return self._prompt_ids[text]
+                ids = encode_prompt(self.tokenizer, prompt)
+            self._prompt_ids[key] = ids[-self.cfg.rollout.max_prompt_tokens:]
+        return self._prompt_ids[key]
 
     def score(self, step: int, results: list[tuple[int, GenResult]], ledger: Ledger) -> ScoredStep:
-        """Rewards, ledger entries and group-relative advantages for the samples of `step`."""
+        """Rewards (in the reward pool), ledger entries and group-relative advantages for the
+        samples of `step` (see the module docstring for each sample's fate)."""
         by_id = {r.sample_id: (d, r) for d, r in results}
         records = dict(self.step_prompts(step))
         ordered = sorted(by_id)
-        rewards_out: list[float] = []
+        texts = {}
         for sid in ordered:
             device, res = by_id[sid]
             ledger.generated(sample_id=sid, version=res.version, device=device, num_tokens=len(res.response_ids),
                              token_sha1=token_sha1(res.response_ids),
                              seed=sample_seed(self.cfg.seed, *sid))
-            record = records[sid[1]]
-            text = tasks.decode_response(self.tokenizer, res.response_ids)
-            fields = data.reward_fields(record)
-            value, error = rewards.score(self.reward_fn, record["prompt"], text, fields, self.cfg.task.on_reward_error)
-            ledger.scored(sid, value, error)
-            rewards_out.append(value)
+            texts[sid] = tasks.decode_response(self.tokenizer, res.response_ids)
+        values, left_out, metrics = self._rewards(step, ordered, records, texts, by_id, ledger)
+        rewards_out = [values[sid] for sid in ordered]
         tc = self.cfg.train
         advantages = grpo.group_advantages(rewards_out, self.cfg.rollout.samples_per_prompt,
                                            norm_by_std=tc.norm_adv_by_std, std=tc.adv_std)
+        if left_out:
+            advantages = self._without_left_out(ordered, rewards_out, advantages, left_out)
         samples = [grpo.TrainSample(sample_id=sid, prompt_ids=self._encode(records[sid[1]]),
                                     response_ids=list(by_id[sid][1].response_ids),
                                     rollout_logprobs=list(by_id[sid][1].logprobs), advantage=adv)
                    for sid, adv in zip(ordered, advantages)]
         num_tokens = sum(len(s.response_ids) for s in samples)
-        return ScoredStep(samples=samples, mean_reward=sum(rewards_out) / max(1, len(rewards_out)),
-                          num_tokens=num_tokens, longest_tokens=max((len(s.response_ids) for s in samples), default=0))
+        scored = [values[sid] for sid in ordered if sid not in left_out]
+        return ScoredStep(samples=samples, mean_reward=sum(scored) / max(1, len(scored)),
+                          num_tokens=num_tokens, longest_tokens=max((len(s.response_ids) for s in samples), default=0),
+                          reward_metrics={k: sum(v) / len(v) for k, v in sorted(metrics.items())},
+                          left_out=len(left_out))
+
+    def _rewards(self, step: int, ordered: list, records: dict, texts: dict, by_id: dict,
+                 ledger: Ledger) -> tuple[dict, set, dict[str, list[float]]]:
+        """Each sample's reward from the pool, its fate noted in the ledger: (value by sample
+        id, the ids left out, metric values). One call per sample, or per prompt group (trl)."""
+        group = self.task.reward_style == "trl"
+        batches = [[sid for sid in ordered if sid[1] == p] for p in dict.fromkeys(s[1] for s in ordered)] if group \
+            else [[sid] for sid in ordered]
+        calls = [{"step": step, "prompts": [records[sid[1]]["prompt"] for sid in b],
+                  "completions": [texts[sid] for sid in b],
+                  "completion_ids": [list(by_id[sid][1].response_ids) if group else [] for sid in b],
+                  "fields": [data.reward_fields(records[sid[1]]) for sid in b]} for b in batches]
+        values: dict = {}
+        left_out: set = set()
+        metrics: dict[str, list[float]] = {}
+        name = f"reward function {self.task.reward_spec}"
+        for batch, (kind, result) in zip(batches, self.reward_pool().run(calls)):
+            if kind == "ok":
+                for key, vals in result["metrics"].items():
+                    metrics.setdefault(key, []).extend(vals)
+            for i, sid in enumerate(batch):
+                problem = result if kind != "ok" else result["problems"][i]
+                value = None if kind != "ok" else result["values"][i]
+                where = f"sample {sample_id_str(sid)}: {name}"
+                if problem is None and value is None:  # a TRL None: left out, recorded
+                    left_out.add(sid)
+                    values[sid] = 0.0
+                    ledger.scored(sid, 0.0, f"left out: {where} returned None (no reward, advantage 0, "
+                                            "not in its group's mean and std)")
+                    continue
+                if problem is not None:
+                    reason = " ".join(f"{where} {problem}".split())  # one line
+                    if self.cfg.task.on_reward_error == "fail":
+                        raise RewardError(reason)
+                    value = 0.0
+                else:
+                    reason = None
+                values[sid] = value
+                ledger.scored(sid, value, reason)
+        return values, left_out, metrics
+
+    def _without_left_out(self, ordered: list, rewards_out: list[float], advantages: list[float],
+                          left_out: set) -> list[float]:
+        """The advantages with each left-out sample outside its group's mean and std, and 0."""
+        tc, k = self.cfg.train, self.cfg.rollout.samples_per_prompt
+        out = list(advantages)
+        for start in range(0, len(ordered), k):
+            ids = ordered[start:start + k]
+            if not left_out.intersection(ids):
+                continue
+            kept = [i for i, sid in enumerate(ids, start) if sid not in left_out]
+            out[start:start + len(ids)] = [0.0] * len(ids)
+            if len(kept) >= 2:
+                sub = grpo.group_advantages([rewards_out[i] for i in kept], len(kept),
+                                            norm_by_std=tc.norm_adv_by_std, std=tc.adv_std)
+                for i, adv in zip(kept, sub):
+                    out[i] = adv
+        return out

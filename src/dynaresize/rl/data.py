@@ -1,4 +1,5 @@
-"""The prompt source: a JSONL prompt file, and which prompts each step takes.
+"""The prompt source: a JSONL prompt file, and which prompts each step takes (a training
+dataset in verl's or TRL's schema is read by `rl.dataset`).
 
 Invariants:
 - `load_prompts` returns one dict per non-blank line, each with a non-empty string `prompt`;
@@ -14,47 +15,32 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
 
 from dynaresize.errors import DataError
+from dynaresize.rl.dataset import jsonl_rows
 from dynaresize.rl.seeds import derived_seed
 
 
 def load_prompts(path: str | os.PathLike) -> list[dict]:
-    """The records of a JSONL prompt file (blank lines skipped)."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DataError(f"{p}: prompt file not found") from None
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except OSError as exc:
-        raise DataError(f"{p}: cannot read prompt file ({exc.strerror})") from None
+    """The records of a JSONL prompt file (blank lines skipped), each with a `prompt` string
+    (`eval.prompts_file`; a training dataset in verl's or TRL's schema: `rl.dataset`)."""
     records: list[dict] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{p}:{lineno}: bad JSON ({exc.msg} at column {exc.colno})") from None
+    for where, rec in jsonl_rows(path):
         if not isinstance(rec, dict):
-            raise DataError(f"{p}:{lineno}: expected a JSON object with a \"prompt\" field, "
-                            f"got {type(rec).__name__}")
+            raise DataError(f"{where}: expected a JSON object with a \"prompt\" field, got {type(rec).__name__}")
         if "prompt" not in rec:
-            raise DataError(f"{p}:{lineno}: missing \"prompt\" field (fields: {', '.join(sorted(rec)) or 'none'})")
+            raise DataError(f"{where}: missing \"prompt\" field (fields: {', '.join(sorted(rec)) or 'none'})")
         if not isinstance(rec["prompt"], str):
-            raise DataError(f"{p}:{lineno}: \"prompt\" must be a string, got {type(rec['prompt']).__name__}")
+            raise DataError(f"{where}: \"prompt\" must be a string, got {type(rec['prompt']).__name__}")
         if not rec["prompt"].strip():
-            raise DataError(f"{p}:{lineno}: \"prompt\" is empty")
+            raise DataError(f"{where}: \"prompt\" is empty")
         records.append(rec)
     if not records:
-        raise DataError(f"{p}: no prompts (the file is empty)")
+        raise DataError(f"{Path(path)}: no prompts (the file is empty)")
     return records
 
 

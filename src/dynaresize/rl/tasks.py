@@ -1,4 +1,10 @@
-"""Tasks: the built-in toy task, and a user task from a prompt file plus a reward plug-in.
+"""Tasks: the built-in tasks (`toy-count`, `arith`), and a user task from a dataset plus a
+reward plug-in.
+
+A user task: `task.dataset` (or its old name `task.prompts_file`), parquet or JSONL in verl's
+or TRL's schema (`rl.dataset`), and `task.reward`, a function in any of the reward styles
+(`rl.rewards`: `task.reward_style`, `auto` reads its signature). The math task `arith`
+(`rl.math_task`) is a built-in dataset in verl's schema with a verl-style grader.
 
 The toy task `toy-count`: each prompt asks for words starting with a letter ("write words
 starting with b , for example bako bemi bute :"); the reward counts the response words that are
@@ -25,11 +31,17 @@ from dataclasses import dataclass
 
 from dynaresize.config import TaskConfig
 from dynaresize.errors import UserError
-from dynaresize.rl.data import load_prompts
+from dynaresize.rl.dataset import load_dataset, schema
 from dynaresize.rl.models import CONSONANTS, pseudo_words
-from dynaresize.rl.rewards import RewardFn, load_reward
+from dynaresize.rl.rewards import RewardFn, check_style, detect_style, load_reward
 
 TOY_TASK = "toy-count"
+MATH_TASK = "arith"
+MATH_REWARD = "dynaresize.rl.math_task:compute_score"
+# The built-in tokenizer has no chat template of its own; chat-message prompts (a dataset's, the
+# math task's) are rendered with this one: "<bos>user : TEXT<eos><bos>assistant :".
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<bos>{{ m['role'] }} : {{ m['content'] }}<eos>{% endfor %}"
+                      "{% if add_generation_prompt %}<bos>assistant :{% endif %}")
 TOY_LETTERS = "b"
 TOY_NUM_PROMPTS = 256
 _TOY_SEED = 1234  # the toy prompt list is part of the task, not of a run: fixed seed
@@ -39,9 +51,11 @@ _TOY_HELD_OUT_SEED = 4321  # its test split: another fixed seed, texts of the tr
 @dataclass(frozen=True)
 class Task:
     name: str
-    prompts: list[dict]  # records with a `prompt` field; other fields go to the reward
-    reward_fn: RewardFn
-    reward_spec: str  # how to load reward_fn again in another process
+    prompts: list[dict]  # records with a `prompt` field (a string or chat messages); other fields go to the reward
+    reward_fn: RewardFn  # in its own style (below), as the user wrote it
+    reward_spec: str  # how to load reward_fn again in another process (a reward worker)
+    reward_style: str = "dynaresize"  # dynaresize | verl | trl (rl.rewards)
+    about: str = ""  # one line for the run's console: the data's schema, the reward's style and why
 
 
 def toy_prompts(num_prompts: int = TOY_NUM_PROMPTS, letters: str = TOY_LETTERS, seed: int = _TOY_SEED) -> list[dict]:
@@ -95,23 +109,43 @@ def toy_count_reward(prompt: str, response: str, fields: dict) -> float:
 
 
 def load_task(cfg: TaskConfig) -> Task:
-    """The task a run trains on: a prompt file with a reward plug-in, or a built-in toy task."""
-    if cfg.prompts_file is not None:
+    """The task a run trains on: a dataset with a reward plug-in, or a built-in task. A bad
+    dataset, reward spec or reward signature raises a one-line UserError (before Ray starts)."""
+    path = cfg.dataset or cfg.prompts_file
+    if path is not None:
         if cfg.reward is None:
-            raise UserError("task.reward: a prompts_file needs a reward (module:function or path/to/file.py:function)")
-        return Task(name=str(cfg.prompts_file), prompts=load_prompts(cfg.prompts_file),
-                    reward_fn=load_reward(cfg.reward), reward_spec=cfg.reward)
+            raise UserError(f"task.reward: a dataset ({path}) needs a reward "
+                            "(module:function or path/to/file.py:function)")
+        prompts = load_dataset(path, cfg.columns)
+        return _with_reward(cfg, str(path), prompts, cfg.reward, f"{path}: {len(prompts)} rows, {schema(prompts)} schema")
     name = cfg.name
+    if name == MATH_TASK:
+        from dynaresize.rl.math_task import dataset_file
+
+        file = dataset_file()
+        prompts = load_dataset(file)
+        return _with_reward(cfg, name, prompts, cfg.reward or MATH_REWARD,
+                            f"task {name}: {len(prompts)} problems in {file} (verl schema)")
     if name == TOY_TASK or name.startswith(TOY_TASK + ":"):
         letters = name.partition(":")[2] or TOY_LETTERS
         try:
             prompts = toy_prompts(letters=letters)
         except ValueError as exc:
             raise UserError(f"task.name={name!r}: {exc}") from None
-        spec = cfg.reward or f"{__name__}:toy_count_reward"
-        return Task(name=name, prompts=prompts, reward_fn=load_reward(spec), reward_spec=spec)
-    raise UserError(f"task.name={name!r}: unknown task (built-in: {TOY_TASK}, {TOY_TASK}:LETTERS; "
-                    "or set task.prompts_file and task.reward)")
+        return _with_reward(cfg, name, prompts, cfg.reward or f"{__name__}:toy_count_reward", "")
+    raise UserError(f"task.name={name!r}: unknown task (built-in: {TOY_TASK}, {TOY_TASK}:LETTERS, {MATH_TASK}; "
+                    "or set task.dataset and task.reward)")
+
+
+def _with_reward(cfg: TaskConfig, name: str, prompts: list[dict], spec: str, about: str) -> Task:
+    """The task with its reward loaded and its style resolved (`task.reward_style`) and checked."""
+    fn = load_reward(spec)
+    style, why = (cfg.reward_style, "set by task.reward_style") if cfg.reward_style != "auto" \
+        else detect_style(fn, spec)
+    check_style(fn, spec, style, {k for rec in prompts[:1] for k in rec if k != "prompt"})
+    line = f"reward {spec}: {style} style ({why})"
+    return Task(name=name, prompts=prompts, reward_fn=fn, reward_spec=spec, reward_style=style,
+                about="; ".join(filter(None, (about, line))) if cfg.reward is not None or about else "")
 
 
 def _check_letters(letters: str) -> None:
