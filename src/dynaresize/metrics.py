@@ -59,8 +59,9 @@ TRAIN_FIELDS: tuple[str, ...] = ("loss", "grad_norm", "kl", "entropy", "clip_fra
 
 # (scalar name, step-record field it is read from, meaning); derived ones name their inputs.
 STEP_SCALARS: tuple[tuple[str, str, str], ...] = (
-    ("reward/mean", "reward_mean", "mean reward of the step's samples"),
-    ("reward/std", "reward_std", "population std of the step's rewards"),
+    ("reward/mean", "reward_mean", "mean reward of the step's samples (left-out ones not counted)"),
+    ("reward/std", "reward_std", "population std of the step's rewards (left-out ones not counted)"),
+    ("reward/left_out", "reward_left_out", "samples a TRL-style reward left out (returned None)"),
     *((f"train/{f}", f, f"training metric `{f}` of the step") for f in TRAIN_FIELDS),
     ("response_len/mean", "response_len_mean", "mean response length (tokens)"),
     ("response_len/max", "response_len_max", "longest response (tokens)"),
@@ -100,6 +101,9 @@ def step_scalars(rec: dict) -> dict[str, float]:
         value = number(rec.get(source))
         if value is not None:
             out[name] = value
+    for key, value in (rec.get("reward_metrics") or {}).items():  # a reward's own metrics, by its names
+        if (value := number(value)) is not None:
+            out[f"reward/{key}"] = value
     step_s = step_time_s(rec)
     if step_s is not None:
         out["time/step_s"] = step_s

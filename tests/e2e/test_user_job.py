@@ -84,6 +84,11 @@ def test_verl_parquet_and_compute_score_run_unchanged(ray_local, tmp_path, capsy
     assert all(s["reward_error"] is None and 0.0 <= s["reward"] <= 1.0 for s in samples.values())
     assert len({s["reward"] for s in samples.values()}) > 1  # scored by the file's function, sample by sample
     assert json.loads((out / "config.json").read_text())["task"]["dataset"] == str(data)
+    steps = records(out, "step")  # the dict's other key is a per-step metric, the mean of its samples
+    for st in steps:
+        mine = [s for s in samples.values() if s["consumed_step"] == st["step"]]
+        assert 0.0 <= st["reward_metrics"]["answered"] <= 1.0 and st["reward_left_out"] == 0
+        assert abs(st["reward_mean"] - sum(s["reward"] for s in mine) / len(mine)) < 1e-9
 
 
 def test_trl_jsonl_and_reward_function_run_unchanged(ray_local, tmp_path, capsys):
@@ -106,6 +111,11 @@ def test_trl_jsonl_and_reward_function_run_unchanged(ray_local, tmp_path, capsys
         assert s["reward_error"].startswith(f"left out: sample {sid}: reward function ")
         assert "returned None" in s["reward_error"] and s["consumed_step"] == int(sid.split("-")[0])
     assert all(s["reward"] >= 0.0 for k, s in samples.items() if k not in left)
+    steps = records(tmp_path / "r", "step")  # left out: counted per step, outside the mean
+    assert sum(st["reward_left_out"] for st in steps) == len(left)
+    for st in steps:
+        kept = [s["reward"] for k, s in samples.items() if s["consumed_step"] == st["step"] and k not in left]
+        assert abs(st["reward_mean"] - sum(kept) / max(1, len(kept))) < 1e-9
 
 
 def test_a_reward_that_raises_or_hangs_follows_on_reward_error(ray_local, tmp_path, capsys):

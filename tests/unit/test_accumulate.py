@@ -3,6 +3,7 @@ complete, micro-batches fixed by sample index and ready once their groups are, t
 equal to scoring it all at once."""
 
 import random
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -23,8 +24,9 @@ def _score(group):
     samples = [grpo.TrainSample(sample_id=r.sample_id, prompt_ids=[1], response_ids=r.response_ids,
                                 rollout_logprobs=[0.0] * len(r.response_ids), advantage=0.0) for _, r in group]
     rewards = [len(r.response_ids) for _, r in group]
-    return ScoredStep(samples=samples, mean_reward=sum(rewards) / len(rewards),
-                      num_tokens=sum(rewards), longest_tokens=max(rewards))
+    return ScoredStep(samples=samples, rewards=[float(r) for r in rewards], num_tokens=sum(rewards),
+                      longest_tokens=max(rewards), metric_values={"len": [float(r) for r in rewards]},
+                      left_out=rewards.count(0))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -53,6 +55,8 @@ def test_micro_batches_are_fixed_by_index_and_ready_once_their_groups_are(seed):
     assert [s.sample_id for s in whole.samples] == sorted(ids)
     lengths = [1 + p * 3 + s for p in range(PROMPTS) for s in range(K)]
     assert whole.mean_reward == pytest.approx(sum(lengths) / len(lengths))
+    assert whole.reward_std == pytest.approx(statistics.pstdev(lengths))  # over the parts' rewards together
+    assert whole.reward_metrics == {"len": pytest.approx(sum(lengths) / len(lengths))}
     assert whole.num_tokens == sum(lengths) and whole.longest_tokens == max(lengths)
     assert acc.total_tokens == grpo.total_response_tokens(whole.samples)
 

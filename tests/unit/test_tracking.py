@@ -31,7 +31,8 @@ NAMES = [n for n, _, _ in STEP_SCALARS + RESIZE_SCALARS]
 def _step(k: int, **over) -> dict:
     rec = {"kind": "step", "step": k, "t_start_s": 10.0 * k, "t_end_s": 10.0 * k + 4.0, "rollout_s": 2.5,
            "train_s": 3.0, "sync_s": 0.5, "num_rollout": 2 + k % 2, "num_train": 2 - k % 2, "idle_device_s": 6.0,
-           "tail_idle_device_s": 2.0, "reward_mean": 0.1 * k, "reward_std": 0.05, "response_len_mean": 20.0 + k,
+           "tail_idle_device_s": 2.0, "reward_mean": 0.1 * k, "reward_std": 0.05, "reward_left_out": k % 2,
+           "response_len_mean": 20.0 + k,
            "response_len_max": 40 + k, **{f: 0.01 * (i + 1) + k for i, f in enumerate(TRAIN_FIELDS)}}
     rec.update(over)
     return rec
@@ -50,6 +51,14 @@ def _feed(rec: Recorder, steps: int = 3) -> None:
             rec.emit("resize", **{f: v for f, v in RESIZE.items() if f != "kind"})
             rec.emit("fault", step=1, device=2, fault_kind="kill", point="train", reason="injected")
     rec.emit("summary", summary={"steps": steps, "samples_per_s": 3.5, "ledger_ok": True, "faults_unfired": []})
+
+
+def test_a_rewards_own_metrics_become_reward_scalars():
+    out = step_scalars(_step(1, reward_metrics={"format": 0.75, "acc": 1, "note": "text", "bad": float("nan")}))
+    assert out["reward/format"] == 0.75 and out["reward/acc"] == 1.0 and out["reward/left_out"] == 1.0
+    assert "reward/note" not in out and "reward/bad" not in out  # only finite numbers
+    assert not any(k.startswith("reward/") and k not in ("reward/mean", "reward/std", "reward/left_out")
+                   for k in step_scalars(_step(1)))
 
 
 def test_docs_name_every_scalar_and_every_documented_name_is_emitted():

@@ -94,8 +94,11 @@ class StepAccumulator:
     def scored_step(self) -> ScoredStep:
         """The whole step, as `Job.score` of all its samples at once would give it."""
         samples = [self.samples[sid] for ids in self.micro_batch_ids for sid in ids]
-        n = len(samples)
-        rewards = sum(p.mean_reward * len(p.samples) for p in self._parts)
-        return ScoredStep(samples=samples, mean_reward=rewards / max(1, n),
+        metrics: dict[str, list[float]] = {}
+        for p in self._parts:
+            for k, v in p.metric_values.items():
+                metrics.setdefault(k, []).extend(v)
+        return ScoredStep(samples=samples, rewards=[r for p in self._parts for r in p.rewards],
+                          metric_values=metrics, left_out=sum(p.left_out for p in self._parts),
                           num_tokens=sum(len(s.response_ids) for s in samples),
                           longest_tokens=max((len(s.response_ids) for s in samples), default=0))

@@ -25,6 +25,7 @@ has advantages 0.
 from __future__ import annotations
 
 import json
+import statistics
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -44,11 +45,25 @@ from dynaresize.roles.base import GenRequest, GenResult
 @dataclass
 class ScoredStep:
     samples: list[grpo.TrainSample]
-    mean_reward: float  # over the samples with a reward (a left-out sample has none)
     num_tokens: int
     longest_tokens: int
-    reward_metrics: dict[str, float] = field(default_factory=dict)  # a dict reward's other keys, log_metric: means
+    rewards: list[float] = field(default_factory=list)  # of the samples with a reward (a left-out one has none)
+    metric_values: dict[str, list[float]] = field(default_factory=dict)  # a dict reward's other keys, log_metric
     left_out: int = 0  # samples a TRL reward left out (None)
+
+    @property
+    def mean_reward(self) -> float:
+        return sum(self.rewards) / max(1, len(self.rewards))
+
+    @property
+    def reward_std(self) -> float:
+        """Population std of the rewards (left-out samples are not in it)."""
+        return statistics.pstdev(self.rewards) if self.rewards else 0.0
+
+    @property
+    def reward_metrics(self) -> dict[str, float]:
+        """Each extra reward metric's mean over the step."""
+        return {k: sum(v) / len(v) for k, v in sorted(self.metric_values.items()) if v}
 
 
 class Job:
@@ -192,10 +207,9 @@ class Job:
                    for sid, adv in zip(ordered, advantages)]
         num_tokens = sum(len(s.response_ids) for s in samples)
         scored = [values[sid] for sid in ordered if sid not in left_out]
-        return ScoredStep(samples=samples, mean_reward=sum(scored) / max(1, len(scored)),
-                          num_tokens=num_tokens, longest_tokens=max((len(s.response_ids) for s in samples), default=0),
-                          reward_metrics={k: sum(v) / len(v) for k, v in sorted(metrics.items())},
-                          left_out=len(left_out))
+        return ScoredStep(samples=samples, rewards=scored, num_tokens=num_tokens,
+                          longest_tokens=max((len(s.response_ids) for s in samples), default=0),
+                          metric_values=metrics, left_out=len(left_out))
 
     def _rewards(self, step: int, ordered: list, records: dict, texts: dict, by_id: dict,
                  ledger: Ledger) -> tuple[dict, set, dict[str, list[float]]]:

@@ -11,7 +11,6 @@ assignment, rollouts, timing, ledger and streaming window.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -68,7 +67,8 @@ class StepReporting:
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, num_rollout=a.num_rollout,
                       num_train=a.num_train, idle_device_s=report.idle_device_s, tail_idle_device_s=tail_idle,
                       reward_mean=scored.mean_reward, response_tokens=scored.num_tokens, version=step + 1,
-                      reward_std=statistics.pstdev([self.ledger.entries[s.sample_id].reward for s in scored.samples]),
+                      reward_std=scored.reward_std, reward_left_out=scored.left_out,
+                      **({"reward_metrics": scored.reward_metrics} if scored.metric_values else {}),
                       response_len_mean=scored.num_tokens / max(1, len(scored.samples)),
                       response_len_max=scored.longest_tokens,
                       rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
