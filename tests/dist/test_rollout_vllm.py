@@ -179,6 +179,22 @@ class EngineActor:
     def generate_one(self, request):
         return self.engine.generate([request])
 
+    def stepped(self, step: int = 0) -> tuple[dict, list]:
+        """The engine driven request by request: half the requests added, three iterations,
+        the rest added mid-generation and one of the first aborted; (results by id, aborted)."""
+        reqs = _requests(step)
+        half = len(reqs) // 2
+        self.engine.add(reqs[:half])
+        got, steps, aborted = {}, 0, []
+        while self.engine.has_unfinished():
+            got.update((r.sample_id, r) for r in self.engine.step())
+            steps += 1
+            if steps == 3:
+                self.engine.add(reqs[half:])
+                running = [r.sample_id for r in reqs[:half] if r.sample_id not in got]
+                aborted = self.engine.abort(running[:1])
+        return got, aborted
+
     def recompute_logprobs(self, results, perturb: float) -> float:
         """Max |engine log-prob - trainer recompute| over all tokens (HF model, same weights)."""
         import torch
@@ -272,6 +288,11 @@ def test_vllm_engine_in_a_worker_with_a_gloo_world(actors):
     batched, alone, other = ray.get([a.generate.remote(), a.generate.remote(alone=True), b.generate.remote()])
     tokens = [r.response_ids for r in batched]
     assert tokens == [r.response_ids for r in alone] == [r.response_ids for r in other]
+    # Request by request (add / step / abort): admitted mid-generation, the same tokens as alone.
+    stepped, aborted = ray.get(a.stepped.remote())
+    assert len(aborted) == 1 and aborted[0] not in stepped
+    assert set(stepped) == {r.sample_id for r in alone} - set(aborted)
+    assert all(stepped[r.sample_id].response_ids == r.response_ids for r in alone if r.sample_id in stepped)
     reqs = _requests(0)
     for req, res in zip(reqs, batched):
         assert res.sample_id == req.sample_id and res.version == 0 and len(res.logprobs) == len(res.response_ids)

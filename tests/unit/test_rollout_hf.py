@@ -178,3 +178,27 @@ def test_bad_inputs():
     with pytest.raises(ValueError):
         HFRolloutEngine(CFG, temperature=1.0, batch_rows=0)
 
+
+
+def test_requests_enter_and_leave_between_iterations_with_the_tokens_they_get_alone(engine):
+    """The engine driven request by request (`SteppingEngine`): a request added while others
+    decode, in the same or another prompt length, gives bit for bit what it gives alone; an
+    aborted request gives no result and leaves the others unchanged."""
+    from dynaresize.roles.base import SteppingEngine
+
+    assert isinstance(engine, SteppingEngine)
+    reqs = _requests()
+    alone = {r.sample_id: engine.generate([r])[0] for r in reqs}
+    first, late = reqs[:6], reqs[6:]  # late: other prompt lengths, and one of the first length
+    engine.add(first)
+    got, steps = {}, 0
+    while engine.has_unfinished():
+        for res in engine.step():
+            got[res.sample_id] = res
+        steps += 1
+        if steps == 3:  # mid-generation: admit the rest, stop one of the first
+            engine.add(late)
+            assert engine.abort([(0, 0, 0), (9, 9, 9)]) == [(0, 0, 0)]  # an unknown id is ignored
+    assert (0, 0, 0) not in got and set(got) == {r.sample_id for r in reqs} - {(0, 0, 0)}
+    assert all(_same(got[sid], alone[sid]) for sid in got)
+    assert engine.step() == [] and not engine.has_unfinished()

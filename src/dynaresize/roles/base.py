@@ -57,6 +57,49 @@ class RolloutEngine(Protocol):
     def release(self) -> None: ...
 
 
+@runtime_checkable
+class SteppingEngine(Protocol):
+    """An engine driven iteration by iteration: requests enter (`add`) and leave (`abort`, or
+    finished, from `step`) between any two iterations, and its caller may do other work (a
+    weight update, a release) between them. A request's tokens never depend on when it
+    entered or on what else runs (per-request seeds; both engines check it in tests)."""
+
+    def add(self, requests: Sequence[GenRequest]) -> None: ...
+
+    def step(self) -> list[GenResult]: ...  # one iteration; the requests that finished in it
+
+    def abort(self, sample_ids: Sequence[SampleId]) -> list[SampleId]: ...  # those stopped (no result)
+
+    def has_unfinished(self) -> bool: ...
+
+
+def target_len(r: GenRequest) -> int:
+    """The number of tokens a request asks for: its forced length, else its cap."""
+    return int(r.forced_length) if r.forced_length is not None else int(r.max_new_tokens)
+
+
+def check_request(r: GenRequest) -> None:
+    """A request an engine can serve (ValueError naming the sample otherwise)."""
+    if not r.prompt_ids:
+        raise ValueError(f"sample {r.sample_id}: empty prompt")
+    if target_len(r) < 0:
+        raise ValueError(f"sample {r.sample_id}: negative length {target_len(r)}")
+
+
+def run_to_completion(engine: SteppingEngine, requests: Sequence[GenRequest]) -> list[GenResult]:
+    """`generate` on a stepping engine: add every request, step until none runs; one result
+    per request, in request order."""
+    engine.add(requests)
+    done: dict[tuple, GenResult] = {}
+    while engine.has_unfinished():
+        for res in engine.step():
+            done[tuple(res.sample_id)] = res
+    missing = [r.sample_id for r in requests if tuple(r.sample_id) not in done]
+    if missing:
+        raise RuntimeError(f"rollout engine returned no output for samples {missing[:5]}")
+    return [done[tuple(r.sample_id)] for r in requests]
+
+
 ENGINES = ("vllm", "hf")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256  # vLLM's CPU attention refuses 16 (measured)
 

@@ -14,6 +14,10 @@ How a sample's tokens are made to depend only on (weights, prompt, seed, forced_
   fixed shape. tests/unit/test_rollout_hf.py checks bit-identity.
 - Rows finished early (EOS or forced length) keep running with the batch until its longest
   row is done (static batching, as HF `generate`); their extra tokens are discarded.
+- Driven request by request (`add`, `step`, `abort`: the `SteppingEngine` interface): each
+  batch is a cohort (roles/hf_cohort.py) and a request added while others decode starts a
+  cohort of its own, so it gets the tokens it would get alone; `step` advances every cohort by
+  one token. `generate` is `add` then `step` until done.
 
 Choosing `batch_rows`: a device's rollout time scales with its number of batches, so rows
 well below the requests a device gets let the rollout stage speed up as devices are added;
@@ -34,7 +38,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -42,7 +45,8 @@ import torch
 
 from dynaresize.config import ModelConfig
 from dynaresize.rl.models import build_model, complete_state_dict
-from dynaresize.roles.base import GenRequest, GenResult
+from dynaresize.roles.base import GenRequest, GenResult, check_request, run_to_completion, target_len
+from dynaresize.roles.hf_cohort import Cohort
 
 
 class HFRolloutEngine:
@@ -63,6 +67,7 @@ class HFRolloutEngine:
         self._model: torch.nn.Module | None = None
         self._eos_ids: set[int] = set()
         self._cache_arg = "cache"
+        self._cohorts: list[Cohort] = []  # batches being decoded (roles/hf_cohort.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -80,8 +85,8 @@ class HFRolloutEngine:
         self.version = int(version)
 
     def release(self) -> None:
-        """Free the model and its caches; `set_weights` loads it again."""
-        self._model = None
+        """Free the model and its caches (running requests are dropped); `set_weights` loads it again."""
+        self._model, self._cohorts = None, []
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -112,19 +117,36 @@ class HFRolloutEngine:
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
-        """One result per request, in request order."""
+        """One result per request, in request order (`add` them all, `step` until done)."""
+        return run_to_completion(self, requests)
+
+    def add(self, requests: Sequence[GenRequest]) -> None:
+        """Start `requests` now: grouped into new cohorts of one prompt length each
+        (roles/hf_cohort.py), beside the cohorts already decoding."""
         if self._model is None:
             raise RuntimeError("rollout engine is released; call set_weights first")
         for r in requests:
-            if not r.prompt_ids:
-                raise ValueError(f"sample {r.sample_id}: empty prompt")
-            if _target_len(r) < 0:
-                raise ValueError(f"sample {r.sample_id}: negative length {_target_len(r)}")
-        results: dict[int, GenResult] = {}
+            check_request(r)
         for batch in self._batches(requests):
-            for idx, res in zip(batch, self._generate_batch([requests[i] for i in batch])):
-                results[idx] = res
-        return [results[i] for i in range(len(requests))]
+            self._cohorts.append(Cohort(self._model, [requests[i] for i in batch], batch_rows=self.batch_rows,
+                                        device=self.device, temperature=self.temperature, eos_ids=self._eos_ids,
+                                        version=self.version, cache_arg=self._cache_arg, new_cache=_new_cache))
+
+    def step(self) -> list[GenResult]:
+        """One token for every running request; the results of those that finished."""
+        out = [res for c in self._cohorts for res in c.step()]
+        self._cohorts = [c for c in self._cohorts if not c.done]
+        return out
+
+    def abort(self, sample_ids: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """Stop these requests (no result for them); the ids that were running."""
+        wanted = {tuple(s) for s in sample_ids}
+        stopped = [sid for c in self._cohorts for sid in c.abort(wanted)]
+        self._cohorts = [c for c in self._cohorts if not c.done]
+        return stopped
+
+    def has_unfinished(self) -> bool:
+        return bool(self._cohorts)
 
     def _batches(self, requests: Sequence[GenRequest]) -> list[list[int]]:
         """Request indices bucketed by prompt length; within a bucket, longest targets first
@@ -134,62 +156,9 @@ class HFRolloutEngine:
             buckets.setdefault(len(r.prompt_ids), []).append(i)
         out = []
         for length in sorted(buckets):
-            idxs = sorted(buckets[length], key=lambda i: (-_target_len(requests[i]), tuple(requests[i].sample_id)))
+            idxs = sorted(buckets[length], key=lambda i: (-target_len(requests[i]), tuple(requests[i].sample_id)))
             out.extend(idxs[k:k + self.batch_rows] for k in range(0, len(idxs), self.batch_rows))
         return out
-
-    @torch.inference_mode()
-    def _generate_batch(self, batch: list[GenRequest]) -> list[GenResult]:
-        model = self._model
-        assert model is not None
-        t0 = time.perf_counter()
-        num_real = len(batch)
-        rows = batch + [batch[0]] * (self.batch_rows - num_real)  # filler rows: shape only
-        targets = [_target_len(r) for r in batch]
-        gens = [torch.Generator(device="cpu").manual_seed(int(r.seed)) for r in batch]
-        tokens: list[list[int]] = [[] for _ in batch]
-        logprobs: list[list[float]] = [[] for _ in batch]
-        done = [t == 0 for t in targets]
-        ended_s = [0.0 if d else None for d in done]
-        input_ids = torch.tensor([r.prompt_ids for r in rows], dtype=torch.long, device=self.device)
-        cache = _new_cache(model)  # filled in place by each forward
-        while not all(done):
-            out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
-            logp = torch.log_softmax(out.logits[:, -1, :].float() / self.temperature, dim=-1).cpu()
-            vocab = logp.shape[-1]
-            noise = torch.zeros((self.batch_rows, vocab), dtype=torch.float32)
-            for i in range(num_real):
-                if not done[i]:
-                    noise[i] = _gumbel(gens[i], vocab)
-            picked = torch.argmax(logp + noise, dim=-1)
-            picked_logp = logp.gather(1, picked[:, None]).squeeze(1).tolist()
-            picked_ids = picked.tolist()
-            now = time.perf_counter() - t0
-            for i in range(num_real):
-                if done[i]:
-                    continue
-                tok = picked_ids[i]
-                tokens[i].append(tok)
-                logprobs[i].append(picked_logp[i])
-                r = batch[i]
-                if len(tokens[i]) >= targets[i] or (r.forced_length is None and tok in self._eos_ids):
-                    done[i], ended_s[i] = True, now
-            input_ids = picked[:, None].to(self.device)
-        del cache
-        return [GenResult(sample_id=tuple(r.sample_id), response_ids=tokens[i], logprobs=logprobs[i],
-                          version=self.version, duration_s=float(ended_s[i] or 0.0))
-                for i, r in enumerate(batch)]
-
-
-def _target_len(r: GenRequest) -> int:
-    return int(r.forced_length) if r.forced_length is not None else int(r.max_new_tokens)
-
-
-def _gumbel(gen: torch.Generator, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise from `gen`: one draw of `vocab` numbers per generated token."""
-    u = torch.rand(vocab, generator=gen, dtype=torch.float64)
-    # u in [0, 1): clamp away 0 so the noise is finite; float64 keeps distinct draws distinct.
-    return (-torch.log(-torch.log(u.clamp_min(1e-300)))).to(torch.float32)
 
 
 def _new_cache(model: torch.nn.Module):

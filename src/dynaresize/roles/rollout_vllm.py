@@ -19,6 +19,9 @@ so its tokens depend on (weights, prompt, seed, forced_length), not on its batch
 tests/dist/test_rollout_vllm.py). Log-probs are vLLM's `processed_logprobs` of the sampled
 tokens: log_softmax(logits / temperature), as the HF engine returns. Numerics differ slightly
 with batch composition (CPU: up to ~3e-5), unlike the HF engine's fixed-shape batches.
+Driven request by request (the `SteppingEngine` interface: `add`, `step`, `abort`) through the
+in-process engine's `add_request` / `step` / `abort_request`; `generate` is `add` then `step`
+until done (roles/vllm_requests.py).
 
 One engine per process. Helpers: process state vLLM changes (`vllm_process`), its world kept
 apart from the worker's (`vllm_world`), weight chunks and digests (`vllm_weights`), KV budget
@@ -41,9 +44,10 @@ import torch
 from dynaresize.config import ModelConfig
 from dynaresize.errors import UserError
 from dynaresize.rl.models import build_tokenizer, hf_config, max_positions
-from dynaresize.roles.base import GenRequest, GenResult, vllm_model_problem
+from dynaresize.roles.base import GenRequest, GenResult, run_to_completion, target_len, vllm_model_problem
 from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
+from dynaresize.roles.vllm_requests import check_fits, empty_result, result_of, vllm_request
 from dynaresize.roles.vllm_weights import (_rpc_digest, _rpc_kv_cache_bytes, _rpc_redispatch_tied_head, _rpc_reload,
                                            _rpc_weight_shapes, weight_chunks)
 from dynaresize.roles.vllm_world import destroy_vllm_world, install_safe_cleanup, internals_problem, vllm_world
@@ -106,6 +110,8 @@ class VLLMRolloutEngine:
         self._eos_ids: set[int] = set()
         self._parked = False
         self._request_ids = itertools.count()
+        self._running: dict[str, tuple[GenRequest, float, str]] = {}  # id -> (request, start, vLLM's own id)
+        self._ready: list[GenResult] = []  # results due at the next `step` (zero-length requests)
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -213,7 +219,7 @@ class VLLMRolloutEngine:
                     destroy_vllm_world(self._world)  # a no-op when shutdown already did it
                     self._world = None
                     gc.collect()
-        self._parked = False
+        self._parked, self._running, self._ready = False, {}, []  # running requests go with the engine
         self._drop_tmpdir()
         self.timings = {"release_s": time.perf_counter() - t0}
 
@@ -311,69 +317,52 @@ class VLLMRolloutEngine:
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
-        """One result per request, in request order."""
+        """One result per request, in request order (`add` them all, `step` until done)."""
+        return run_to_completion(self, requests)
+
+    def add(self, requests: Sequence[GenRequest]) -> None:
+        """Start `requests` now, beside those the engine is running (roles/vllm_requests.py)."""
         if self._llm is None:
             raise RuntimeError("vLLM engine is released; call set_weights first")
         if self._parked:
             raise RuntimeError("vLLM engine is parked; call unpark first")
-        limit = int(self._llm.llm_engine.vllm_config.model_config.max_model_len)
+        engine = self._llm.llm_engine
+        limit = int(engine.vllm_config.model_config.max_model_len)
         for r in requests:
-            if not r.prompt_ids:
-                raise ValueError(f"sample {r.sample_id}: empty prompt")
-            if _target_len(r) < 0:
-                raise ValueError(f"sample {r.sample_id}: negative length {_target_len(r)}")
-            if len(r.prompt_ids) + _target_len(r) > limit:
-                raise ValueError(f"sample {r.sample_id}: prompt {len(r.prompt_ids)} + response "
-                                 f"{_target_len(r)} tokens exceed max_model_len {limit} (rollout.vllm_max_model_len)")
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+            check_fits(r, limit)
+        with preserve_process_state(env=False):
+            for r in requests:
+                if target_len(r) == 0:
+                    self._ready.append(empty_result(r, self.version))
+                    continue
+                rid = f"dynaresize-{next(self._request_ids)}"
+                internal = engine.add_request(rid, *vllm_request(r, self.temperature))
+                self._running[rid] = (r, time.perf_counter(), internal if isinstance(internal, str) else rid)
 
-        t0 = time.perf_counter()
-        results: list[GenResult | None] = [None] * len(requests)
-        todo = []
-        for i, r in enumerate(requests):
-            if _target_len(r) == 0:
-                results[i] = GenResult(sample_id=tuple(r.sample_id), response_ids=[], logprobs=[],
-                                       version=self.version, duration_s=0.0)
-            else:
-                todo.append(i)
-        if todo:
-            prompts = [TokensPrompt(prompt_token_ids=list(map(int, requests[i].prompt_ids))) for i in todo]
-            params = [SamplingParams(
-                n=1, temperature=self.temperature, top_p=1.0, top_k=0, min_p=0.0, seed=int(requests[i].seed),
-                max_tokens=_target_len(requests[i]), ignore_eos=requests[i].forced_length is not None,
-                logprobs=0, detokenize=False, skip_special_tokens=False,
-                output_kind=RequestOutputKind.FINAL_ONLY) for i in todo]
+    def step(self) -> list[GenResult]:
+        """One engine iteration; the requests that finished in it."""
+        out, self._ready = self._ready, []
+        if self._running:
+            by_key = {k: rid for rid, (_, _, internal) in self._running.items() for k in (rid, internal)}
             with preserve_process_state(env=False):
-                engine = self._llm.llm_engine
-                index: dict[str, int] = {}
-                for i, prompt, sp in zip(todo, prompts, params):
-                    rid = f"dynaresize-{next(self._request_ids)}"
-                    internal = engine.add_request(rid, prompt, sp)
-                    index[rid] = i
-                    if isinstance(internal, str):
-                        index[internal] = i
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        if out.finished:
-                            i = index[out.request_id]
-                            results[i] = self._result(requests[i], out, time.perf_counter() - t0)
-        missing = [requests[i].sample_id for i, r in enumerate(results) if r is None]
-        if missing:
-            raise RuntimeError(f"vLLM engine returned no output for samples {missing[:5]}")
-        return results  # type: ignore[return-value]
+                for o in self._llm.llm_engine.step():
+                    rid = by_key.get(o.request_id)
+                    if o.finished and rid in self._running:
+                        req, t0, _ = self._running.pop(rid)
+                        out.append(result_of(req, o, self.version, time.perf_counter() - t0))
+        return out
 
-    def _result(self, req: GenRequest, out: Any, duration_s: float) -> GenResult:
-        comp = out.outputs[0]
-        tokens = [int(t) for t in comp.token_ids]
-        logprobs = []
-        for tok, entry in zip(tokens, comp.logprobs or []):
-            logprobs.append(float(entry[tok].logprob))
-        if len(logprobs) != len(tokens):
-            raise RuntimeError(f"sample {req.sample_id}: {len(logprobs)} log-probs for {len(tokens)} tokens")
-        return GenResult(sample_id=tuple(req.sample_id), response_ids=tokens, logprobs=logprobs,
-                         version=self.version, duration_s=float(duration_s))
+    def abort(self, sample_ids: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """Stop these requests (no result for them); the ids that were running."""
+        wanted = {tuple(s) for s in sample_ids}
+        rids = [rid for rid, (r, _, _) in self._running.items() if tuple(r.sample_id) in wanted]
+        if rids:
+            with preserve_process_state(env=False):
+                self._llm.llm_engine.abort_request(rids)
+        return [tuple(self._running.pop(rid)[0].sample_id) for rid in rids]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._ready or self._running)
 
     # -- checks ------------------------------------------------------------------------------
     def weight_names(self) -> list[str]:
@@ -393,6 +382,3 @@ class VLLMRolloutEngine:
         with preserve_process_state(env=False):
             return self._llm.collective_rpc(_rpc_digest, args=(wanted, dtype))[0]
 
-
-def _target_len(r: GenRequest) -> int:
-    return int(r.forced_length) if r.forced_length is not None else int(r.max_new_tokens)

@@ -1,0 +1,51 @@
+"""A `GenRequest` as a vLLM request and a finished vLLM output as a `GenResult` (the vLLM
+engine's request bookkeeping: roles/rollout_vllm.py `add` / `step` / `abort`).
+
+Every request is its own vLLM request with `SamplingParams(seed=GenRequest.seed)`, so its tokens
+depend on (weights, prompt, seed, target length), not on what else the engine runs; only the
+final output is kept (`FINAL_ONLY`), with the log-prob of each sampled token. Imports vLLM
+inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynaresize.roles.base import GenRequest, GenResult, check_request, target_len
+
+
+def check_fits(r: GenRequest, max_model_len: int) -> None:
+    """ValueError naming the sample and the field when `r` cannot run in this engine."""
+    check_request(r)
+    if len(r.prompt_ids) + target_len(r) > max_model_len:
+        raise ValueError(f"sample {r.sample_id}: prompt {len(r.prompt_ids)} + response {target_len(r)} tokens "
+                         f"exceed max_model_len {max_model_len} (rollout.vllm_max_model_len)")
+
+
+def vllm_request(r: GenRequest, temperature: float) -> tuple[Any, Any]:
+    """(prompt, sampling params) of `r`: plain sampling at `temperature` (no top-p/k), its own
+    seed, EOS ignored under a forced length, the sampled token's log-prob."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, seed=int(r.seed),
+                            max_tokens=target_len(r), ignore_eos=r.forced_length is not None, logprobs=0,
+                            detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+    return TokensPrompt(prompt_token_ids=list(map(int, r.prompt_ids))), params
+
+
+def result_of(req: GenRequest, out: Any, version: int, duration_s: float) -> GenResult:
+    """The `GenResult` of a finished vLLM output (its tokens and each one's log-prob)."""
+    comp = out.outputs[0]
+    tokens = [int(t) for t in comp.token_ids]
+    logprobs = [float(entry[tok].logprob) for tok, entry in zip(tokens, comp.logprobs or [])]
+    if len(logprobs) != len(tokens):
+        raise RuntimeError(f"sample {req.sample_id}: {len(logprobs)} log-probs for {len(tokens)} tokens")
+    return GenResult(sample_id=tuple(req.sample_id), response_ids=tokens, logprobs=logprobs, version=version,
+                     duration_s=float(duration_s))
+
+
+def empty_result(r: GenRequest, version: int) -> GenResult:
+    """The result of a request for zero tokens (vLLM is never asked)."""
+    return GenResult(sample_id=tuple(r.sample_id), response_ids=[], logprobs=[], version=version, duration_s=0.0)
