@@ -1,4 +1,4 @@
-"""End to end: the loss variants (issue 21) keep a run with resizes equal to a static run.
+"""End to end: the loss variants verl and TRL users set keep a run with resizes equal to a static run.
 
 With `--set train.clip_ratio_high=0.28 --set train.loss_agg_mode=seq-mean-token-mean --set
 train.norm_adv_by_std=false --set train.entropy_coef=0.001` (the overrides parsed as the CLI
@@ -10,12 +10,13 @@ then 2 again) gives every sample the same tokens and ends with the same paramete
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray")
+pytest.importorskip("ray")
+
+from _runs import ray_local  # noqa: F401,E402  (the module's Ray)
 
 from dynaresize.config_load import apply_overrides, build_config, merge
 from dynaresize.driver.run import run_job
@@ -25,14 +26,6 @@ pytestmark = pytest.mark.dist
 
 VARIANTS = ["train.clip_ratio_high=0.28", "train.loss_agg_mode=seq-mean-token-mean", "train.norm_adv_by_std=false",
             "train.entropy_coef=0.001"]
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _cfg(policy: dict, overrides: list[str]):
