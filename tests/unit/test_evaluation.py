@@ -105,3 +105,51 @@ def test_config_is_checked():
         build_config({"task": {"prompts_file": "p.jsonl", "reward": "m:f"}, "eval": {"every_steps": 2}})
     with pytest.raises(UserError, match="held-out"):
         held_out_prompts(_cfg(every_steps=1, num_prompts=100000))
+
+
+VERL_SCORE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if "boom" in solution_str:
+        raise RuntimeError("grader crashed")
+    return {"score": 1.0 if ground_truth in solution_str else 0.0, "source_ok": float(data_source == "gsm8k")}
+'''
+
+
+def test_a_verl_parquet_eval_file_is_scored_in_the_reward_pool_in_the_rewards_own_style(tmp_path):
+    """eval.prompts_file read as task.dataset is (verl's test.parquet), each sample scored by a
+    verl-style compute_score in the job's reward pool; a raising reward follows on_reward_error."""
+    from dynaresize.errors import RewardError
+    from dynaresize.rl.dataset import write_parquet
+
+    rows = [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": f"{a} plus {a}?"}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": w}, "extra_info": {"index": a}}
+            for a, w in ((1, "bako"), (2, "bemi"))]
+    test = write_parquet(rows, tmp_path / "test.parquet")
+    (tmp_path / "score.py").write_text(VERL_SCORE)
+
+    def evaluator(on_error: str):
+        cfg = build_config({"steps": 5, "rollout": {"max_new_tokens": 8},
+                            "task": {"reward": f"{tmp_path / 'score.py'}:compute_score", "on_reward_error": on_error},
+                            "eval": {"every_steps": 1, "prompts_file": str(test), "num_prompts": 0,
+                                     "samples_per_prompt": 2}})
+        job = Job(cfg)
+        return Evaluator(cfg, job), job
+
+    ev, job = evaluator("zero")
+    try:
+        assert [r["ground_truth"] for r in ev.prompts] == ["bako", "bemi"]  # verl's reward_model.ground_truth
+        tok = job.tokenizer
+        say = {(0, 0): " bako", (0, 1): " tedu", (1, 0): " bemi", (1, 1): " boom"}
+        results = [GenResult(sample_id=(EVAL_STEP, p, s), response_ids=tok(text)["input_ids"], logprobs=[],
+                             version=2, duration_s=0.0) for (p, s), text in say.items()]
+        rec = ev.score(1, results)
+        assert rec["num_correct"] == 2 and rec["num_reward_errors"] == 1 and rec["num_left_out"] == 0
+        assert rec["reward_mean"] == pytest.approx(2 / 4)
+    finally:
+        job.close()
+    ev, job = evaluator("fail")
+    try:
+        with pytest.raises(RewardError, match=r"eval after step 1: sample -1-1-1: reward function .*grader crashed"):
+            ev.score(1, results)
+    finally:
+        job.close()

@@ -18,7 +18,7 @@ from dynaresize.errors import RewardError
 from dynaresize.presets import preset
 from dynaresize.rl import grpo
 from dynaresize.rl.reward_pool import RewardPool
-from dynaresize.rl.rewards import Styled, detect_style, invoke, load_reward
+from dynaresize.rl.rewards import detect_style, invoke, load_reward
 from dynaresize.roles.base import GenResult
 
 REWARDS = '''
@@ -78,7 +78,6 @@ def test_styles_are_told_from_signatures_and_called_their_way(rewards_file):
     assert out == {"values": [1.0, 0.0, None], "problems": [None, None, None], "metrics": {"group": [1.0]}}
     bad = invoke(load_reward(f"{rewards_file}:no_score"), "dynaresize", _call("x"))
     assert bad["problems"] == ['returned a dict without a "score" key']
-    assert Styled(fns["compute_score"], "verl")("p", "4", {"ground_truth": "4"}) == 1.0  # what evaluation calls
 
 
 def test_the_pool_kills_and_replaces_a_hung_worker_and_reports_each_fate(rewards_file):

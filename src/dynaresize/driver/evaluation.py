@@ -3,8 +3,10 @@
 `Evaluator.due(step)` says whether the run evaluates after step `step`: after every
 `eval.every_steps`-th step and after the last one. `Evaluator.run(...)` then sends the eval
 requests to the rollout devices of the current assignment (the same engines, holding the
-weights just synced: version step+1), scores them with the task's reward and emits one `eval`
-record (docs/records.md) with mean reward and pass@k.
+weights just synced: version step+1), scores them with the task's reward (in the job's reward
+pool, with its deadline and in the reward's own style, as training samples are) and emits one
+`eval` record (docs/records.md) with mean reward and pass@k. `eval.prompts_file` is read as
+`task.dataset` is: parquet or JSONL, verl's or TRL's schema, `task.columns` applied.
 
 Invariants:
 - eval samples are not training samples: their ids are `(EVAL_STEP, prompt, sample)` with
@@ -32,8 +34,9 @@ import time
 from typing import Any
 
 from dynaresize.config import RunConfig
-from dynaresize.errors import DataError, UserError
-from dynaresize.rl import data, rewards, tasks
+from dynaresize.driver.ledger import sample_id_str
+from dynaresize.errors import DataError, RewardError, UserError
+from dynaresize.rl import dataset, tasks
 from dynaresize.rl.seeds import derived_seed
 from dynaresize.roles.base import GenRequest
 from dynaresize.types import ROLLOUT
@@ -65,8 +68,8 @@ def pass_ks(n: int) -> list[int]:
 def held_out_prompts(cfg: RunConfig) -> list[dict]:
     """The prompt records an evaluation uses (see the module docstring)."""
     ec = cfg.eval
-    if ec.prompts_file is not None:
-        records = data.load_prompts(ec.prompts_file)
+    if ec.prompts_file is not None:  # parquet or JSONL, verl's or TRL's schema, as task.dataset
+        records = dataset.load_dataset(ec.prompts_file, cfg.task.columns)
         return records[:ec.num_prompts] if ec.num_prompts else records
     name = cfg.task.name
     if cfg.task.prompts_file is None and (name == tasks.TOY_TASK or name.startswith(tasks.TOY_TASK + ":")):
@@ -87,8 +90,8 @@ class Evaluator:
         self.prompts: list[dict] = held_out_prompts(cfg) if self.enabled else []
         self.last: dict | None = None  # the metrics of the latest evaluation (for the summary)
         if self.enabled:
-            train = {r["prompt"] for r in job.prompts}
-            shared = sum(1 for r in self.prompts if r["prompt"] in train)
+            train = {dataset.prompt_key(r["prompt"]) for r in job.prompts}
+            shared = sum(1 for r in self.prompts if dataset.prompt_key(r["prompt"]) in train)
             if shared:
                 print(f"dynaresize: warning: {shared} of the {len(self.prompts)} eval prompts are also training "
                       "prompts (eval.prompts_file overlaps the task's prompts)", file=sys.stderr)
@@ -133,16 +136,14 @@ class Evaluator:
         ec = self.cfg.eval
         n = ec.samples_per_prompt
         by_prompt: dict[int, list[float]] = {p: [] for p in range(len(self.prompts))}
-        versions, tokens, errors = set(), 0, 0
-        for r in sorted(results, key=lambda r: r.sample_id):
-            record = self.prompts[r.sample_id[1]]
-            text = tasks.decode_response(self.job.tokenizer, r.response_ids)
-            value, error = rewards.score(self.job.reward_fn, record["prompt"], text, data.reward_fields(record),
-                                         self.cfg.task.on_reward_error)
-            by_prompt[r.sample_id[1]].append(value)
+        versions, tokens, errors, left_out = set(), 0, 0, 0
+        for sid, value, fate in self._rewards(step, sorted(results, key=lambda r: r.sample_id)):
+            by_prompt[sid[1]].append(value)
+            errors += fate == "error"
+            left_out += fate == "left out"
+        for r in results:
             versions.add(r.version)
             tokens += len(r.response_ids)
-            errors += error is not None
         if any(len(v) != n for v in by_prompt.values()) or len(versions) != 1:
             raise RuntimeError(f"eval after step {step}: incomplete or mixed results "
                                f"({sum(map(len, by_prompt.values()))} samples, versions {sorted(versions)})")
@@ -154,5 +155,31 @@ class Evaluator:
             out[f"pass_at_{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in correct)
         out.update(num_prompts=len(self.prompts), samples_per_prompt=n, num_samples=len(every),
                    correct_threshold=ec.correct_threshold, num_correct=sum(correct), num_response_tokens=tokens,
-                   num_reward_errors=errors)
+                   num_reward_errors=errors, num_left_out=left_out)
         return out
+
+    def _rewards(self, step: int, results: list[Any]) -> list[tuple[tuple, float, str | None]]:
+        """(sample id, reward, fate) of each result, scored as training samples are: in the job's
+        reward pool with its deadline, in the reward's own style. A failed call follows
+        `task.on_reward_error` (fail: `RewardError` naming the sample); a TRL None scores 0 here
+        (pass@k needs every sample) and is counted as left out."""
+        job, by_id = self.job, {r.sample_id: r for r in results}
+        texts = {sid: tasks.decode_response(job.tokenizer, r.response_ids) for sid, r in by_id.items()}
+        batches = job.reward_batches(list(by_id))
+        calls = [job.reward_call(step, b, self.prompts, texts, {sid: by_id[sid].response_ids for sid in b})
+                 for b in batches]
+        out = []
+        for batch, (kind, result) in zip(batches, job.reward_pool().run(calls)):
+            for i, sid in enumerate(batch):
+                problem = result if kind != "ok" else result["problems"][i]
+                value = None if kind != "ok" else result["values"][i]
+                if problem is not None:
+                    reason = " ".join(f"eval after step {step}: sample {sample_id_str(sid)}: reward function "
+                                      f"{job.task.reward_spec} {problem}".split())
+                    if self.cfg.task.on_reward_error == "fail":
+                        raise RewardError(reason)
+                    out.append((sid, 0.0, "error"))
+                else:
+                    out.append((sid, 0.0, "left out") if value is None else (sid, float(value), None))
+        return out
+

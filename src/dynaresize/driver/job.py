@@ -24,18 +24,16 @@ has advantages 0.
 
 from __future__ import annotations
 
-import json
 import statistics
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
 from dynaresize.config import RunConfig
 from dynaresize.driver.console import say
 from dynaresize.driver.ledger import Ledger, sample_id_str, token_sha1
 from dynaresize.errors import RewardError
-from dynaresize.rl import data, grpo, rewards, tasks
-from dynaresize.rl.dataset import is_chat
+from dynaresize.rl import data, grpo, tasks
+from dynaresize.rl.dataset import is_chat, prompt_key
 from dynaresize.rl.models import encode_prompt, load_tokenizer
 from dynaresize.rl.reward_pool import RewardPool
 from dynaresize.rl.seeds import sample_seed
@@ -75,15 +73,12 @@ class Job:
         self.tokenizer = load_tokenizer(cfg.model)
         self.prompts = task.prompts
         self.task = task
-        # In-process and in the dynaresize style (fn(prompt, response, fields)): what evaluation scores with.
-        self.reward_fn: Callable[..., Any] = task.reward_fn if task.reward_style == "dynaresize" \
-            else rewards.Styled(task.reward_fn, task.reward_style)
         self._pool: RewardPool | None = None  # started on the first step's scoring
         self._prompt_ids: dict[str, list[int]] = {}  # by prompt text: positions hold other prompts each step
         self._own_template = bool(getattr(self.tokenizer, "chat_template", None))
-        # Chat-message prompts with the built-in tokenizer, which has no template: a small one of ours.
-        self._chat_template = tasks.TINY_CHAT_TEMPLATE if not self._own_template and cfg.model.path is None \
-            and any(is_chat(r["prompt"]) for r in self.prompts) else None
+        # Chat-message prompts (training or eval ones) with the built-in tokenizer, which has no
+        # template: a small one of ours.
+        self._chat_template = tasks.TINY_CHAT_TEMPLATE if not self._own_template and cfg.model.path is None else None
         self._check_lengths()
         if task.about:
             say(f"dynaresize: {task.about}")
@@ -169,7 +164,7 @@ class Job:
         (`task.chat_template`) or as is; then truncated to the last `rollout.max_prompt_tokens`
         (the end holds the question)."""
         prompt = record["prompt"]
-        key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+        key = prompt_key(prompt)
         if key not in self._prompt_ids:
             if is_chat(prompt) or self.cfg.task.chat_template:
                 messages = prompt if is_chat(prompt) else [{"role": "user", "content": prompt}]
@@ -215,13 +210,9 @@ class Job:
                  ledger: Ledger) -> tuple[dict, set, dict[str, list[float]]]:
         """Each sample's reward from the pool, its fate noted in the ledger: (value by sample
         id, the ids left out, metric values). One call per sample, or per prompt group (trl)."""
-        group = self.task.reward_style == "trl"
-        batches = [[sid for sid in ordered if sid[1] == p] for p in dict.fromkeys(s[1] for s in ordered)] if group \
-            else [[sid] for sid in ordered]
-        calls = [{"step": step, "prompts": [records[sid[1]]["prompt"] for sid in b],
-                  "completions": [texts[sid] for sid in b],
-                  "completion_ids": [list(by_id[sid][1].response_ids) if group else [] for sid in b],
-                  "fields": [data.reward_fields(records[sid[1]]) for sid in b]} for b in batches]
+        batches = self.reward_batches(ordered)
+        calls = [self.reward_call(step, b, records, texts, {sid: by_id[sid][1].response_ids for sid in b})
+                 for b in batches]
         values: dict = {}
         left_out: set = set()
         metrics: dict[str, list[float]] = {}
@@ -250,6 +241,20 @@ class Job:
                 values[sid] = value
                 ledger.scored(sid, value, reason)
         return values, left_out, metrics
+
+    def reward_batches(self, ordered: list) -> list[list]:
+        """The sample ids of each reward call: one per sample, or one per prompt group (trl)."""
+        if self.task.reward_style != "trl":
+            return [[sid] for sid in ordered]
+        return [[sid for sid in ordered if sid[1] == p] for p in dict.fromkeys(s[1] for s in ordered)]
+
+    def reward_call(self, step: int, batch: list, records: dict | list, texts: dict, response_ids: dict) -> dict:
+        """One reward pool call for the samples of `batch` (records by prompt index)."""
+        group = self.task.reward_style == "trl"
+        return {"step": step, "prompts": [records[sid[1]]["prompt"] for sid in batch],
+                "completions": [texts[sid] for sid in batch],
+                "completion_ids": [list(response_ids[sid]) if group else [] for sid in batch],
+                "fields": [data.reward_fields(records[sid[1]]) for sid in batch]}
 
     def _without_left_out(self, ordered: list, rewards_out: list[float], advantages: list[float],
                           left_out: set) -> list[float]:

@@ -159,6 +159,11 @@ def _prompt(where: str, field: str, value: Any) -> str | list[dict]:
     return out
 
 
+def prompt_key(prompt: Any) -> str:
+    """A prompt as a dict or set key (chat prompts are lists of messages)."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
 def is_chat(prompt: Any) -> bool:
     """Whether a record's prompt is a list of chat messages (rendered with a chat template)."""
     return isinstance(prompt, list)

@@ -241,22 +241,3 @@ def _metric(metrics: dict[str, list[float]], name: str, value: Any) -> None:
     """A numeric value joins the metric's list; anything else is not a metric."""
     if isinstance(value, numbers.Real) and math.isfinite(float(value)):
         metrics.setdefault(name, []).append(float(value))
-
-
-class Styled:
-    """A reward function of any style called as `fn(prompt, response, fields) -> float` (one
-    sample, in this process: what held-out evaluation scores with). A problem or a TRL None
-    raises ValueError, which `score` reports like any reward's exception."""
-
-    def __init__(self, fn: Any, style: str) -> None:
-        self.fn, self.style = fn, style
-        self.__module__ = getattr(fn, "__module__", None) or "?"
-        self.__qualname__ = getattr(fn, "__qualname__", repr(fn))
-
-    def __call__(self, prompt: Any, response: str, fields: dict) -> float:
-        out = invoke(self.fn, self.style, {"step": -1, "prompts": [prompt], "completions": [response],
-                                           "completion_ids": [[]], "fields": [fields]})
-        (value,), (problem,) = out["values"], out["problems"]
-        if problem is not None or value is None:
-            raise ValueError(problem or "returned None (leave the sample out)")
-        return value
