@@ -66,13 +66,14 @@ class MomentHandoff:
             with self._lock:
                 self.state, self.error = FAILED, exc
             raise
-        finally:
+        else:
+            with self._lock:
+                self.state = DONE
+        finally:  # the state is final before a watcher sees `done`
             with self._lock:
                 self.old_pieces = None  # the old shards are sent (or lost with the move): free them
                 self.armed.clear()
             self.done.set()
-        with self._lock:
-            self.state = DONE
         return result
 
     def require_done(self) -> None:

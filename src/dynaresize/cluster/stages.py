@@ -98,7 +98,7 @@ class StagesMixin:
         pace_s = self.pacing.train_s(step, len(devices))
         refs = [self.pacing.call(self.workers[d], "train", step, per[d], len(micro_batches), total_tokens,
                                  pace_s=pace_s) for d in devices]
-        return self._train_wait(step, devices, refs, last=True)
+        return self._train_wait(step, devices, refs)
 
     def train_part(self, step: int, micro_batches: list[tuple[int, list[Any]]], *, begin: bool,
                    num_micro_batches: int, total_tokens: int | None) -> list[dict]:
@@ -116,7 +116,7 @@ class StagesMixin:
         pace_s = self.pacing.train_part_s(step, samples, len(devices), last=total_tokens is not None)
         refs = [self.pacing.call(self.workers[d], "train_part", step, per[d], rounds, begin, num_micro_batches,
                                  total_tokens, pace_s=pace_s) for d in devices]
-        return self._train_wait(step, devices, refs, last=total_tokens is not None)
+        return self._train_wait(step, devices, refs)
 
     @staticmethod
     def _by_position(micro_batches: list[tuple[int, Any]], devices) -> dict[int, list[tuple[int, Any]]]:
@@ -125,7 +125,7 @@ class StagesMixin:
             per[devices[i % len(devices)]].append((i, mb))
         return per
 
-    def _train_wait(self, step: int, devices, refs: list, *, last: bool) -> list[dict]:
+    def _train_wait(self, step: int, devices, refs: list) -> list[dict]:
         stats = self.wait(list(zip(devices, refs)), f"train {step}")
         for st in stats:
             self.pacing.note(st)

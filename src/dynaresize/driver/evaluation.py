@@ -34,7 +34,6 @@ import time
 from typing import Any
 
 from dynaresize.config import RunConfig
-from dynaresize.driver.ledger import sample_id_str
 from dynaresize.errors import DataError, RewardError, UserError
 from dynaresize.rl import dataset, tasks
 from dynaresize.rl.seeds import derived_seed
@@ -165,21 +164,14 @@ class Evaluator:
         (pass@k needs every sample) and is counted as left out."""
         job, by_id = self.job, {r.sample_id: r for r in results}
         texts = {sid: tasks.decode_response(job.tokenizer, r.response_ids) for sid, r in by_id.items()}
-        batches = job.reward_batches(list(by_id))
-        calls = [job.reward_call(step, b, self.prompts, texts, {sid: by_id[sid].response_ids for sid in b})
-                 for b in batches]
+        response_ids = {sid: r.response_ids for sid, r in by_id.items()}
         out = []
-        for batch, (kind, result) in zip(batches, job.reward_pool().run(calls)):
-            for i, sid in enumerate(batch):
-                problem = result if kind != "ok" else result["problems"][i]
-                value = None if kind != "ok" else result["values"][i]
-                if problem is not None:
-                    reason = " ".join(f"eval after step {step}: sample {sample_id_str(sid)}: reward function "
-                                      f"{job.task.reward_spec} {problem}".split())
-                    if self.cfg.task.on_reward_error == "fail":
-                        raise RewardError(reason)
-                    out.append((sid, 0.0, "error"))
-                else:
-                    out.append((sid, 0.0, "left out") if value is None else (sid, float(value), None))
+        for sid, value, problem in job.reward_outcomes(step, list(by_id), self.prompts, texts, response_ids):
+            if problem is not None:
+                if self.cfg.task.on_reward_error == "fail":
+                    raise RewardError(f"eval after step {step}: {job.reward_reason(sid, problem)}")
+                out.append((sid, 0.0, "error"))
+            else:
+                out.append((sid, 0.0, "left out") if value is None else (sid, float(value), None))
         return out
 

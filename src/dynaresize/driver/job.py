@@ -210,51 +210,52 @@ class Job:
                  ledger: Ledger) -> tuple[dict, set, dict[str, list[float]]]:
         """Each sample's reward from the pool, its fate noted in the ledger: (value by sample
         id, the ids left out, metric values). One call per sample, or per prompt group (trl)."""
-        batches = self.reward_batches(ordered)
-        calls = [self.reward_call(step, b, records, texts, {sid: by_id[sid][1].response_ids for sid in b})
-                 for b in batches]
         values: dict = {}
         left_out: set = set()
         metrics: dict[str, list[float]] = {}
-        name = f"reward function {self.task.reward_spec}"
-        for batch, (kind, result) in zip(batches, self.reward_pool().run(calls)):
-            if kind == "ok":
-                for key, vals in result["metrics"].items():
-                    metrics.setdefault(key, []).extend(vals)
-            for i, sid in enumerate(batch):
-                problem = result if kind != "ok" else result["problems"][i]
-                value = None if kind != "ok" else result["values"][i]
-                where = f"sample {sample_id_str(sid)}: {name}"
-                if problem is None and value is None:  # a TRL None: left out, recorded
-                    left_out.add(sid)
-                    values[sid] = 0.0
-                    ledger.scored(sid, 0.0, f"left out: {where} returned None (no reward, advantage 0, "
-                                            "not in its group's mean and std)")
-                    continue
-                if problem is not None:
-                    reason = " ".join(f"{where} {problem}".split())  # one line
-                    if self.cfg.task.on_reward_error == "fail":
-                        raise RewardError(reason)
-                    value = 0.0
-                else:
-                    reason = None
-                values[sid] = value
-                ledger.scored(sid, value, reason)
+        response_ids = {sid: by_id[sid][1].response_ids for sid in ordered}
+        for sid, value, problem in self.reward_outcomes(step, ordered, records, texts, response_ids, metrics):
+            if problem is None and value is None:  # a TRL None: left out, recorded
+                left_out.add(sid)
+                values[sid] = 0.0
+                ledger.scored(sid, 0.0, f"left out: {self.reward_reason(sid, 'returned None')} (no reward, "
+                                        "advantage 0, not in its group's mean and std)")
+                continue
+            reason = None if problem is None else self.reward_reason(sid, problem)
+            if reason is not None and self.cfg.task.on_reward_error == "fail":
+                raise RewardError(reason)
+            values[sid] = 0.0 if reason is not None else value
+            ledger.scored(sid, values[sid], reason)
         return values, left_out, metrics
 
-    def reward_batches(self, ordered: list) -> list[list]:
-        """The sample ids of each reward call: one per sample, or one per prompt group (trl)."""
+    def reward_outcomes(self, step: int, ordered: list, records: dict | list, texts: dict, response_ids: dict,
+                        metrics: dict[str, list[float]] | None = None) -> list[tuple]:
+        """(sample id, value, problem) of each sample of `ordered`, scored in the reward pool:
+        one call per sample, or per prompt group (trl); records by prompt index. A value None
+        without a problem is a TRL None. The calls' metrics are added to `metrics`."""
         if self.task.reward_style != "trl":
-            return [[sid] for sid in ordered]
-        return [[sid for sid in ordered if sid[1] == p] for p in dict.fromkeys(s[1] for s in ordered)]
-
-    def reward_call(self, step: int, batch: list, records: dict | list, texts: dict, response_ids: dict) -> dict:
-        """One reward pool call for the samples of `batch` (records by prompt index)."""
+            batches = [[sid] for sid in ordered]
+        else:
+            batches = [[sid for sid in ordered if sid[1] == p] for p in dict.fromkeys(s[1] for s in ordered)]
         group = self.task.reward_style == "trl"
-        return {"step": step, "prompts": [records[sid[1]]["prompt"] for sid in batch],
-                "completions": [texts[sid] for sid in batch],
-                "completion_ids": [list(response_ids[sid]) if group else [] for sid in batch],
-                "fields": [data.reward_fields(records[sid[1]]) for sid in batch]}
+        calls = [{"step": step, "prompts": [records[sid[1]]["prompt"] for sid in b],
+                  "completions": [texts[sid] for sid in b],
+                  "completion_ids": [list(response_ids[sid]) if group else [] for sid in b],
+                  "fields": [data.reward_fields(records[sid[1]]) for sid in b]} for b in batches]
+        out = []
+        for batch, (kind, result) in zip(batches, self.reward_pool().run(calls)):
+            if kind != "ok":  # the whole call failed: every sample of it has that problem
+                out += [(sid, None, result) for sid in batch]
+                continue
+            for key, vals in result["metrics"].items():
+                if metrics is not None:
+                    metrics.setdefault(key, []).extend(vals)
+            out += list(zip(batch, result["values"], result["problems"]))
+        return out
+
+    def reward_reason(self, sid: tuple, problem: str) -> str:
+        """One line naming the sample and the reward function."""
+        return " ".join(f"sample {sample_id_str(sid)}: reward function {self.task.reward_spec} {problem}".split())
 
     def _without_left_out(self, ordered: list, rewards_out: list[float], advantages: list[float],
                           left_out: set) -> list[float]:

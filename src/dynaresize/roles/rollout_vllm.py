@@ -110,7 +110,8 @@ class VLLMRolloutEngine:
         self._eos_ids: set[int] = set()
         self._parked = False
         self._request_ids = itertools.count()
-        self._running: dict[str, tuple[GenRequest, float, str]] = {}  # id -> (request, start, vLLM's own id)
+        self._running: dict[str, tuple[GenRequest, float, str]] = {}  # ours -> (request, start, vLLM's id)
+        self._rid: dict[str, str] = {}  # an id vLLM's outputs may carry (ours or its own) -> ours
         self._ready: list[GenResult] = []  # results due at the next `step` (zero-length requests)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -219,7 +220,7 @@ class VLLMRolloutEngine:
                     destroy_vllm_world(self._world)  # a no-op when shutdown already did it
                     self._world = None
                     gc.collect()
-        self._parked, self._running, self._ready = False, {}, []  # running requests go with the engine
+        self._parked, self._running, self._ready, self._rid = False, {}, [], {}  # running requests go with it
         self._drop_tmpdir()
         self.timings = {"release_s": time.perf_counter() - t0}
 
@@ -337,18 +338,19 @@ class VLLMRolloutEngine:
                     continue
                 rid = f"dynaresize-{next(self._request_ids)}"
                 internal = engine.add_request(rid, *vllm_request(r, self.temperature))
-                self._running[rid] = (r, time.perf_counter(), internal if isinstance(internal, str) else rid)
+                internal = internal if isinstance(internal, str) else rid  # outputs may carry vLLM's own id
+                self._running[rid] = (r, time.perf_counter(), internal)
+                self._rid[rid] = self._rid[internal] = rid
 
     def step(self) -> list[GenResult]:
         """One engine iteration; the requests that finished in it."""
         out, self._ready = self._ready, []
         if self._running:
-            by_key = {k: rid for rid, (_, _, internal) in self._running.items() for k in (rid, internal)}
             with preserve_process_state(env=False):
                 for o in self._llm.llm_engine.step():
-                    rid = by_key.get(o.request_id)
+                    rid = self._rid.get(o.request_id)
                     if o.finished and rid in self._running:
-                        req, t0, _ = self._running.pop(rid)
+                        req, t0 = self._drop(rid)
                         out.append(result_of(req, o, self.version, time.perf_counter() - t0))
         return out
 
@@ -359,10 +361,17 @@ class VLLMRolloutEngine:
         if rids:
             with preserve_process_state(env=False):
                 self._llm.llm_engine.abort_request(rids)
-        return [tuple(self._running.pop(rid)[0].sample_id) for rid in rids]
+        return [tuple(self._drop(rid)[0].sample_id) for rid in rids]
 
     def has_unfinished(self) -> bool:
         return bool(self._ready or self._running)
+
+    def _drop(self, rid: str) -> tuple[GenRequest, float]:
+        """Forget a request that finished or was aborted: (request, start)."""
+        req, t0, internal = self._running.pop(rid)
+        self._rid.pop(rid, None)
+        self._rid.pop(internal, None)
+        return req, t0
 
     # -- checks ------------------------------------------------------------------------------
     def weight_names(self) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-CPU_KV_CACHE_BYTES = 256 << 20  # room for ~2,700 tokens of the 7B-shaped KV (96 KiB/token fp32) and far more tiny ones
+CPU_KV_CACHE_BYTES = 256 << 20  # ~2,300 tokens of a 7B's KV in fp32 (112 KiB/token), far more of a tiny model's
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
