@@ -51,7 +51,7 @@ def test_each_device_runs_one_critical_chain_then_background(target, critical, b
 def test_op_names_are_the_shared_contract_and_all_have_costs():
     assert OP_NAMES == {
         "drop_from_train_group", "move_param_shards", "load_weights", "alloc_kv_cache", "add_to_router",
-        "move_optimizer_shards", "free_train_memory", "prewarm_groups", "stop_routing", "drain_requests",
+        "move_optimizer_shards", "free_train_memory", "prewarm_groups", "stop_routing", "migrate_requests",
         "release_engine_memory", "join_train_group", "receive_param_shards", "receive_optimizer_shards"}
     m = get_model("7b")
     for name in OP_NAMES:

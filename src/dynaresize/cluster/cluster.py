@@ -75,6 +75,7 @@ class Cluster(StagesMixin):
         self.nodes: list[str] = []  # Ray node id by device id, set at start (`_place`)
         self.node_addresses: dict[str, tuple[str, int]] = {}
         self.generation = 0
+        self.migrator: Callable[[Any], list[dict]] | None = None  # streaming: the router's (migrate_requests)
         self.faults = FaultInjector(parse_faults(cfg.faults, self.num_devices))
         self.use_gpu = False  # set by start: NCCL on GPUs
         self._shapes: list | None = None  # trainable parameter shapes (layout_for)
@@ -280,11 +281,21 @@ class Cluster(StagesMixin):
             self._known_sets.update((tuple(rs), "") for rs in self._prewarm_sets)
         self._prewarm_futures = []
 
+    def migrate_requests(self, devices) -> list[dict]:
+        """The `migrate_requests` op: the requests in flight on leaving rollout devices go to the
+        remaining replicas. Under streaming the router does it (`migrator`, set by
+        driver/streaming.py); otherwise nothing is in flight at a step boundary and each worker's
+        answer says how many its engine still held (0)."""
+        if self.migrator is not None:
+            return self.migrator(devices)
+        return self.wait([(d, self.workers[d].migrate_requests.remote()) for d in devices], "resize: migrate_requests")
+
     def op_entry(self, name: str, d: int, r: dict, critical: bool) -> dict:
         """One op's entry: times, bytes received and the staging it held (reshard ops)."""
         return {"name": name, "device": self.ids[d], "t0": r["t0"], "t1": r["t1"],
                 "bytes": int(r.get("bytes_received", 0)), "critical": critical,
-                **{k: r[k] for k in ("peak_staging_bytes", "bytes_sent", "num_messages", "kv_cache_bytes") if k in r}}
+                **{k: r[k] for k in ("peak_staging_bytes", "bytes_sent", "num_messages", "kv_cache_bytes",
+                                                      "requests_moved") if k in r}}
 
     # ------------------------------------------------------------------ outputs
 

@@ -18,8 +18,10 @@ What each op does (train -> rollout, then rollout -> train):
 - alloc_kv_cache: the engine reserves its KV cache (bytes in the op record);
 - add_to_router / stop_routing: the driver's router (the assignment it dispatches from) starts
   or stops sending requests to the moving devices;
-- drain_requests: returns once every request sent to the device has finished (at a step
-  boundary none is in flight, and the call proves it);
+- migrate_requests: the requests still in flight on a leaving rollout device go to the
+  remaining replicas (streaming: the router aborts them there and re-queues them with their
+  sample ids and seeds, cluster/router.py); the op record counts them (`requests_moved`). At a
+  one-step-off boundary none is in flight, and the worker's answer proves it;
 - release_engine_memory: the engine is torn down and its memory freed;
 - move_optimizer_shards / receive_optimizer_shards: Adam moments to the new layout on the
   background communicator (background ops: queued on every device of the resize ahead of any
@@ -146,8 +148,8 @@ def _router(ctx: ResizeContext) -> None:
     ctx.record(name, ctx.moving, [{"t0": t0, "t1": time.time()}] * len(ctx.moving))
 
 
-def _drain(ctx: ResizeContext) -> None:
-    ctx.record(planner.DRAIN_REQUESTS, ctx.moving, ctx.call(ctx.moving, "drain_requests"))
+def _migrate(ctx: ResizeContext) -> None:
+    ctx.record(planner.MIGRATE_REQUESTS, ctx.moving, ctx.cluster.migrate_requests(ctx.moving))
 
 
 def _release_engine(ctx: ResizeContext) -> None:
@@ -198,7 +200,7 @@ HANDLERS: dict[str, Callable[[ResizeContext], None]] = {
     planner.ALLOC_KV_CACHE: _alloc_kv_cache,
     planner.ADD_TO_ROUTER: _router,
     planner.STOP_ROUTING: _router,
-    planner.DRAIN_REQUESTS: _drain,
+    planner.MIGRATE_REQUESTS: _migrate,
     planner.RELEASE_ENGINE_MEMORY: _release_engine,
     planner.MOVE_OPTIMIZER_SHARDS: _moments,
     planner.RECEIVE_OPTIMIZER_SHARDS: _moments,

@@ -6,7 +6,7 @@ Train -> rollout: `gather_full` (the leaving device gets full current weights, o
 then `reshard_params` (parameter shards to the remaining trainers, through the bounded staging
 buffer; the moments are armed for later: cluster/handoff.py), `reshard_moments` (optimizer
 moments to their new owners, on the background communicator), `free_train_memory`,
-`load_weights` and `alloc_kv_cache`. Rollout -> train: `drain_requests`, `release_engine`,
+`load_weights` and `alloc_kv_cache`. Rollout -> train: `migrate_requests`, `release_engine`,
 then the same reshard ops into the grown group.
 
 Every op runs on the worker's issuing thread (cluster/worker.py): "background" ops are the
@@ -135,11 +135,13 @@ class ResizeOpsMixin:
         nbytes = self.engine.alloc_kv_cache() if hasattr(self.engine, "alloc_kv_cache") else 0
         return {"t0": t0, "t1": time.time(), "bytes_received": 0, "kv_cache_bytes": nbytes}
 
-    def drain_requests(self) -> dict:
-        """Rollout -> train: returns once every generate call sent to this worker has ended
-        (methods run one at a time on the main thread, so this call queues behind them)."""
+    def migrate_requests(self) -> dict:
+        """Rollout -> train at a step boundary (one-step-off): no request is in flight, which
+        this call (queued behind every earlier call on the main thread) proves: the engine's
+        unfinished requests are counted, and must be 0."""
         t0 = time.time()
-        return {"t0": t0, "t1": time.time()}
+        held = int(self.engine.has_unfinished()) if self.engine is not None and hasattr(self.engine, "has_unfinished") else 0
+        return {"t0": t0, "t1": time.time(), "requests_moved": 0, "requests_held": held}
 
     def release_engine(self, step: int) -> dict:
         """Rollout -> train: release the engine's memory (nothing is in flight at a step

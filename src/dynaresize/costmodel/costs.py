@@ -238,7 +238,7 @@ OP_COSTS: dict[str, Callable[[ModelPreset, int, int, Hardware], tuple[float, flo
     "alloc_kv_cache": _fixed(lambda m: m.kv_alloc_s),
     "add_to_router": _fixed(lambda m: ROUTER_S),
     "stop_routing": _fixed(lambda m: ROUTER_S),
-    "drain_requests": _fixed(lambda m: DRAIN_AT_BOUNDARY_S),
+    "migrate_requests": _fixed(lambda m: DRAIN_AT_BOUNDARY_S),
     "release_engine_memory": _fixed(lambda m: m.engine_release_s),
     "free_train_memory": _fixed(lambda m: FREE_TRAIN_MEMORY_S),
     "prewarm_groups": _fixed(lambda m: GROUP_PREWARM_S * 2),  # the two most likely next splits

@@ -54,7 +54,7 @@ from dynaresize.roles.base import auto_hf_reason, resolve_engine
 from dynaresize.tracking import check_backends, open_sinks
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan, StepReport
 
-OP_EXTRAS = ("peak_staging_bytes", "kv_cache_bytes")  # op-record fields only some ops have
+OP_EXTRAS = ("peak_staging_bytes", "kv_cache_bytes", "requests_moved")  # op-record fields only some ops have
 
 
 class Run(StepReporting):
