@@ -38,6 +38,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "resume": ("step", "checkpoint", "num_devices"),
     "eval": ("step", "version", "reward_mean", "pass_at_1", "num_prompts", "samples_per_prompt"),
     "placement": ("strategy", "nodes"),
+    "concurrency": ("step", "device", "t_s", "in_flight", "mean_in_flight", "peak", "window_s"),
     "summary": ("summary",),
 }
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dynaresize.cli import main
+from dynaresize.pipeline.concurrency import concurrency_summary
 from dynaresize.records import Recorder
 
 from _browser import assert_every_figure_renders, browser_verdict
@@ -22,7 +23,7 @@ from _browser import assert_every_figure_renders, browser_verdict
 STEPS = 6
 
 
-def _write_run(out: Path, *, evals: bool = True) -> Path:
+def _write_run(out: Path, *, evals: bool = True, concurrency: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     with Recorder(out / "records.jsonl") as rec:
         rec.emit("config", config={"steps": STEPS})
@@ -32,6 +33,10 @@ def _write_run(out: Path, *, evals: bool = True) -> Path:
             for d in range(4):
                 name = "rollout" if d in split["rollout"] else "train"
                 rec.emit("span", device=d, name=name, start_s=t0, end_s=t0 + 1.0 + 0.1 * d)
+            if concurrency:  # 4 requests per replica, the last a long tail: slots empty inside it
+                for d in split["rollout"]:
+                    reqs = [(t0, t0 + 0.3), (t0, t0 + 0.5), (t0 + 0.3, t0 + 0.6), (t0, t0 + 1.0 + 0.1 * d)]
+                    rec.emit("concurrency", step=k, device=d, **concurrency_summary(reqs, t0, t0 + 1.8))
             rec.emit("step", step=k, t_start_s=t0, t_end_s=t0 + 1.8, rollout_s=1.1, train_s=1.3, sync_s=0.2,
                      num_rollout=len(split["rollout"]), num_train=len(split["train"]), idle_device_s=1.5,
                      tail_idle_device_s=0.4, reward_mean=0.1 * k, reward_std=0.05, response_len_mean=12.0,
@@ -89,7 +94,33 @@ def test_report_without_eval_or_resizes_says_so(tmp_path):
     assert main(["report", str(run), "--out", str(tmp_path / "page.html")]) == 0
     text = (tmp_path / "page.html").read_text()
     assert "No eval records in this run." in text and "No resize in this run." in text
+    assert "Requests in flight" not in text  # no concurrency records, no such section
     assert text.count('<img class="plot"') == 5
+
+
+def test_concurrency_records_give_a_requests_in_flight_figure_and_table(tmp_path):
+    run = _write_run(tmp_path / "run", evals=False, concurrency=True)
+    assert main(["report", str(run)]) == 0
+    page = run / "report.html"
+    text = page.read_text()
+    assert "<h2>Requests in flight per replica</h2>" in text
+    assert text.count('<img class="plot"') == 8  # the 7 of a run without them, and this one
+    # the table: device 2 was a replica in the 2 steps between the resizes; device 0 in all 6,
+    # each window 1.8 s with 1.0 s of tail from 0.6 s and 0.8 s with none in flight
+    assert re.search(r"<td[^>]*>0</td><td[^>]*>6</td><td[^>]*>10.8</td>", text)
+    assert re.search(r"<td[^>]*>2</td><td[^>]*>2</td><td[^>]*>3.6</td>", text)
+    assert_every_figure_renders(page, expected=8)
+
+
+def test_many_replicas_get_one_strip_each():
+    from dynaresize.report import run_figures as rf
+    from dynaresize.report.mpl import figure_data_uri
+
+    records = [{"kind": "concurrency", "step": 0, "device": d, **concurrency_summary([(0.0, 1.0 + d)], 0.0, 20.0)}
+               for d in range(rf.MAX_PANELS + 4)]
+    fig = rf.concurrency_figure(records, [{"t_s": 10.0}])
+    assert len(fig.axes) == 2  # the strips and their colour bar
+    assert figure_data_uri(fig).startswith("data:image/png;base64,")
 
 
 def test_simulation_directory_gets_one_section_per_policy(tmp_path):

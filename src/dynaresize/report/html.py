@@ -2,6 +2,7 @@
 
 Sections per run: summary table, split over time, stage times, idle breakdown (tail vs other),
 reward (and eval when `eval` records exist: a curve per metric and a table), the device timeline (real runs: `span` records),
+the requests in flight per replica (only when `concurrency` records exist: a figure, a table row per device),
 and every resize with its ops (a table, and a Gantt chart for the first `MAX_GANTT`).
 
 Invariants: the page needs nothing beside it and no network: figures are PNG data URIs, the CSS
@@ -126,8 +127,27 @@ def run_section(page: Page, run: RunRecords, *, max_gantt: int = MAX_GANTT, leve
         page.add(f"<{h}>Device timeline</{h}>")
         page.figure("Work per device over time (resize ops: red hatched critical, grey background)",
                     lambda: timeline_figure(run.records, title=run.name))
+    _concurrency(page, run.of("concurrency"), resizes, h)
     _resizes(page, resizes, ops, max_gantt, h)
     _faults(page, run, h)
+
+
+def _concurrency(page: Page, records: list[dict], resizes: list[dict], h: str) -> None:
+    """Requests in flight per rollout device (`concurrency` records): a figure and per device its
+    time-weighted mean over every window recorded, its peak and its seconds with none in flight."""
+    if not records:
+        return
+    page.add(f"<{h}>Requests in flight per replica</{h}>")
+    page.figure("Requests in flight per rollout device over time (one step plot per device; dotted: a resize)",
+                lambda: rf.concurrency_figure(records, resizes))
+    rows = []
+    for d in sorted({int(r["device"]) for r in records}):
+        mine = [r for r in records if int(r["device"]) == d]
+        window = sum(number(r.get("window_s")) or 0.0 for r in mine)
+        area = sum((number(r.get("window_s")) or 0.0) * (number(r["mean_in_flight"]) or 0.0) for r in mine)
+        rows.append([d, len(mine), window, area / window if window > 0 else None,
+                     max(number(r["peak"]) or 0 for r in mine), sum(number(r.get("idle_s")) or 0.0 for r in mine)])
+    page.add(table(["device", "windows", "seconds", "mean in flight", "peak", "idle s"], rows))
 
 
 def _eval_table(evals: list[dict]) -> str:

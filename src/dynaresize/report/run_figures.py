@@ -1,8 +1,9 @@
 """Figures of one run's records, for the HTML report: each function returns a matplotlib Figure.
 
 Read only. x is the step number everywhere except the resize Gantt chart (seconds from the
-resize decision). Derived quantities (step time, idle fractions) come from `metrics`,
-the definitions the experiment trackers use too.
+resize decision) and the requests in flight per replica (seconds since the run started).
+Derived quantities (step time, idle fractions) come from `metrics`, the definitions the
+experiment trackers use too.
 """
 
 from __future__ import annotations
@@ -112,3 +113,73 @@ def resize_figure(resize: dict, ops: list[dict]) -> Any:
     ax.axvline(resize["total_s"], color="black", linestyle=":", linewidth=0.8, label="all ops done")
     return _finish(fig, ax, f"Resize {resize['resize_id']} after step {resize['step']}: ops",
                    "", xlabel="seconds from the decision")
+
+
+
+MAX_PANELS = 12  # more rollout devices than this: one strip per device, the count as a colour
+
+
+def _windows(r: dict) -> tuple[list[float], list[float], list[float]]:
+    """A concurrency record's segments: starts, ends (the last at its window's end), counts."""
+    starts = [float(t) for t in r["t_s"]]
+    window = number(r.get("window_s"))
+    end = starts[0] + window if starts and window is not None else (starts[-1] if starts else 0.0)
+    return starts, starts[1:] + [end], [number(n) or 0.0 for n in r["in_flight"]]
+
+
+def concurrency_figure(records: list[dict], resizes: list[dict]) -> Any:
+    """Requests in flight per rollout device over run time, from `concurrency` records: one small
+    step-plot panel per device (above MAX_PANELS devices, one strip per device coloured by the
+    count); each record's window is drawn on its own, so a gap between windows stays a gap.
+    Dotted: a resize decision."""
+    from matplotlib.ticker import MaxNLocator
+
+    by_device: dict[int, list[dict]] = {}
+    for r in records:
+        if r["t_s"]:
+            by_device.setdefault(int(r["device"]), []).append(r)
+    devices = sorted(by_device) or [0]
+    peak = max([number(r.get("peak")) or 0.0 for r in records] + [1.0])
+    title = "Requests in flight per replica (dotted: a resize)"
+    if len(devices) > MAX_PANELS:
+        return _concurrency_strips(by_device, devices, peak, resizes, title)
+    fig, axes = _axes(0.6 + 1.0 * len(devices), len(devices))
+    for ax, d in zip(axes, devices):
+        for r in by_device.get(d, []):
+            starts, ends, counts = _windows(r)
+            xs, ys = starts + ends[-1:], counts + counts[-1:]
+            ax.step(xs, ys, where="post", color=COLORS["rollout"], linewidth=0.9)
+            ax.fill_between(xs, ys, step="post", color=COLORS["rollout"], alpha=0.25, linewidth=0)
+        for r in resizes:
+            if number(r.get("t_s")) is not None:
+                ax.axvline(r["t_s"], color="black", linestyle=":", linewidth=0.8)
+        ax.set_ylim(0, peak * 1.1)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=3))
+        ax.set_ylabel(f"device {d}", fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].set_title(title, fontsize=10, loc="left")
+    axes[-1].set_xlabel("seconds since start")
+    fig.tight_layout()
+    return fig
+
+
+def _concurrency_strips(by_device: dict[int, list[dict]], devices: list[int], peak: float, resizes: list[dict],
+                        title: str) -> Any:
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    plt = pyplot()
+    cmap, norm = plt.get_cmap("viridis"), Normalize(0.0, peak)
+    fig, (ax,) = _axes(1.2 + 0.16 * len(devices))
+    for row, d in enumerate(devices):
+        for r in by_device[d]:
+            starts, ends, counts = _windows(r)
+            ax.broken_barh([(s, e - s) for s, e in zip(starts, ends)], (row - 0.45, 0.9),
+                           facecolors=[cmap(norm(n)) for n in counts], linewidth=0)
+    for r in resizes:
+        if number(r.get("t_s")) is not None:
+            ax.axvline(r["t_s"], color="black", linestyle=":", linewidth=0.8)
+    ax.set_yticks(range(len(devices)), [f"device {d}" for d in devices], fontsize=6)
+    ax.invert_yaxis()
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="requests in flight", pad=0.01)
+    return _finish(fig, ax, title, "", xlabel="seconds since start")
