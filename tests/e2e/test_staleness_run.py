@@ -1,10 +1,14 @@
 """End to end: the streaming pipeline (`train.staleness = 2`) on the real runtime, Ray + gloo, CPU.
 
 One scripted run with resizes each way and one static run, both deterministic, staleness 2
-(the trainers accumulate each step in parts as its groups arrive): the ledger holds with every `consumed_step - version <= 2` (and the bound is reached), the
-leaving engine is drained (`drain_s` on the resize record), and the two runs generate the same
-tokens and end with the same parameters (within 1e-6), though the static one also evaluates
-(which drains every engine and gives it the newest version between windows).
+(the trainers accumulate each step in parts as its groups arrive): the ledger holds with every
+`consumed_step - version <= 2` (and the bound is reached); the leaving engines hand their
+requests in flight to the remaining one (`requests_moved` on the resize record), whose
+critical path ends before those requests do; and the two runs generate the same tokens and
+end with the same parameters (within 1e-6), though the static one also evaluates (which drains
+every engine and gives it the newest version between windows). Responses are long (96 tokens)
+so that rollout, not training, bounds a window: engines always have requests in flight at a
+window's end, where the move happens.
 """
 
 from collections import Counter
@@ -32,7 +36,7 @@ def _cfg(eval_every=0, **policy):
                                                         "samples_per_prompt": 2})
     data["cluster"] = {**data["cluster"], "devices": 4, "rollout_devices": 2}
     data["rollout"] = {**data["rollout"], "engine": "hf", "prompts_per_step": 4, "samples_per_prompt": 4,
-                       "max_new_tokens": 16}
+                       "max_new_tokens": 96}
     data["train"] = {**data["train"], "staleness": ETA}
     data["policy"] = policy
     return build_config(data)
@@ -41,7 +45,7 @@ def _cfg(eval_every=0, **policy):
 @pytest.fixture(scope="module")
 def stream_pair(ray_local, tmp_path_factory):
     base = tmp_path_factory.mktemp("stream")
-    s1 = run_job(_cfg(name="scripted", schedule="2:3,4:1"), base / "scripted", progress=False)
+    s1 = run_job(_cfg(name="scripted", schedule="2:1,4:3"), base / "scripted", progress=False)
     s2 = run_job(_cfg(name="static:2", eval_every=3), base / "static", progress=False)  # evaluation drains
     return base / "scripted", s1, base / "static", s2
 
@@ -53,9 +57,19 @@ def test_staleness_2_with_resizes_keeps_the_ledger_and_the_bound(stream_pair):
         assert s["staleness"] == ETA and s["max_staleness"] == ETA
     assert summary["resizes_to_rollout"] == 1 and summary["resizes_to_train"] == 1
     resizes = list(read_records(out / "records.jsonl", "resize"))
-    assert [len(r["to"]["rollout"]) for r in resizes] == [3, 1]
-    # the rollout -> train move drained its leaving engines; the other move has nothing to drain
-    assert "drain_s" not in resizes[0] and resizes[1]["drain_s"] >= 0.0
+    assert [len(r["to"]["rollout"]) for r in resizes] == [1, 3]  # to train first, while rollout bounds a window
+    # the rollout -> train move handed its leaving engines' requests on, and did not wait for them:
+    # rollout work of the steps in flight ended after the move's critical path
+    assert "requests_moved" not in resizes[1] and resizes[0]["requests_moved"] > 0
+    moved_end = resizes[0]["t_s"] + resizes[0]["critical_s"]
+    later = [r["end_s"] for r in read_records(out / "records.jsonl", "span")
+             if r["name"] == "rollout" and r["step"] > resizes[0]["step"]]
+    assert max(later) > moved_end
+    ops = [o for o in read_records(out / "records.jsonl", "op") if o["name"] == "migrate_requests"]
+    assert sum(o["requests_moved"] for o in ops) == resizes[0]["requests_moved"] and len(ops) == 1
+    # requests in flight per rollout device and window (a `concurrency` record each)
+    conc = list(read_records(out / "records.jsonl", "concurrency"))
+    assert {c["step"] for c in conc} == set(range(STEPS)) and max(c["peak"] for c in conc) > 4  # admitted
     assert summary["groups_created_critical"] == 0 and summary["world_inits_max"] == 1
     samples = list(read_records(out / "records.jsonl", "sample"))
     assert len({s["sample_id"] for s in samples}) == len(samples) == STEPS * 16

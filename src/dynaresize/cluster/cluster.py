@@ -52,7 +52,6 @@ class ResizeOutcome:
     paced: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # emulated: (start, pace_s)
     groups_created_critical: int = 0
     critical_end: float = 0.0
-    drain_s: float | None = None  # streaming: waiting for the leaving engines' requests (router.py)
 
 
 class Cluster(StagesMixin):

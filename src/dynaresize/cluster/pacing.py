@@ -62,11 +62,15 @@ class PacedMixin:
 
 
 class PacedRequests(list):
-    """The requests one rollout device serves at once, and its emulated busy seconds."""
+    """The requests one rollout device serves at once, and its emulated busy seconds; for the
+    streaming router also when its body ends (all but its longest request delivered, `body_s`)
+    and which request is the longest (`longest`, a sample id)."""
 
-    def __init__(self, requests, pace_s: float) -> None:
+    def __init__(self, requests, pace_s: float, body_s: float | None = None, longest: Any = None) -> None:
         super().__init__(requests)
         self.pace_s = float(pace_s)
+        self.body_s = float(pace_s if body_s is None else body_s)
+        self.longest = None if longest is None else tuple(longest)
 
 
 class DriverPacing:
@@ -111,11 +115,38 @@ class DriverPacing:
         present = {index(r.sample_id): r for g in groups for r in g}
         chunks = []
         plan = self.emulator.stream_plan if stream else self.emulator.rollout_plan
-        for positions, pace_s in plan(step, num_devices):
+        for positions, pace_s, *share in plan(step, num_devices):
             mine = [present[i] for i in positions if i in present]
             if mine:
-                chunks.append(PacedRequests(mine, pace_s))
+                chunks.append(self._paced(mine, pace_s, *share))
         return chunks
+
+    def _paced(self, mine: list[Any], pace_s: float, body_s: float | None = None,
+               longest: int | None = None) -> PacedRequests:
+        index = self.emulator.sample_index
+        top = next((r.sample_id for r in mine if index(r.sample_id) == longest), None)
+        return PacedRequests(mine, pace_s, body_s if top is not None else pace_s, top)
+
+    def moved_item(self, step: int, requests: list[Any], original: Any) -> list[Any]:
+        """Requests moved off a leaving engine, as a new item of `step`: emulated, paced to
+        their time on one replica from their first token (`Emulator.moved_share`)."""
+        if self.emulator is None or not isinstance(original, PacedRequests):
+            return list(requests)
+        index = self.emulator.sample_index
+        return self._paced(requests, *self.emulator.moved_share(step, [index(r.sample_id) for r in requests]))
+
+    def request_due(self, requests: Any, start: float) -> dict:
+        """Emulated: sample id -> wall time its result is due for an item started at `start`
+        (its longest request at the item's paced end, the others when its body ends); {}
+        when the item is not paced (results are delivered as they come)."""
+        if self.emulator is None or not isinstance(requests, PacedRequests):
+            return {}
+        body, end = start + self.wall_s(requests.body_s), start + self.wall_s(requests.pace_s)
+        return {tuple(r.sample_id): end if tuple(r.sample_id) == requests.longest else body for r in requests}
+
+    def wall_s(self, emulated_s: float | None) -> float:
+        """Wall seconds a paced interval of `emulated_s` takes (0 when not emulating)."""
+        return 0.0 if self.emulator is None or emulated_s is None else float(emulated_s) / self.time_scale
 
     def train_s(self, step: int, num_train: int) -> float | None:
         return self.emulator.train_s(step, num_train) if self.emulator is not None else None

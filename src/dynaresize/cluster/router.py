@@ -1,26 +1,43 @@
-"""The streaming router (`train.staleness >= 2`): rollout engines kept busy across steps.
+"""The streaming router (`train.staleness >= 2`): rollout engines driven request by request.
 
-Driver side. The schedule (which item each free engine runs next, and with which weight
-version) is `streamplan.StreamQueue`'s; this module sends it to the workers and collects the
-results. Requests stay in flight across the runtime's windows: `pump` dispatches and collects
-until a condition holds and returns without waiting for the calls still running.
+Driver side. The schedule (which item each engine takes next, when it may admit another, and
+with which weight version) is `streamplan.StreamQueue`'s; this module sends it to the workers
+and collects results request by request. Each engine serves through one call at a time,
+`DeviceWorker.serve` (cluster/worker_serve.py): it starts the requests it is given, runs
+engine iterations until one finishes (or a short slice passes) and returns; the router sends
+the next call at once while the engine has requests. Between two calls the worker runs
+whatever else the driver queued for it (a weight pull, the ops of a resize).
 
+- Admission: an engine runs several items; it takes another (of the version it holds) once
+  every item it runs is down to its last request (`_Item.in_body`), as the simulator's `admit`.
 - Weights: an engine that must change version pulls it from the driver's snapshot of that
-  version (`restore_rollout`, chained before its `generate` on the same actor, so the two run in
-  order; emulated: paced to the weight sync's modelled time). In deterministic mode the engine's
-  digest after a pull is checked against the trainers' digest of that version.
-- One item per engine at a time, so an engine whose call came back has nothing in flight.
-- `drain(devices)`: route nothing new to `devices` and pump (the other engines go on) until
-  they have nothing in flight; returns when it started and ended (a resize's `drain_s`).
+  version (`restore_rollout`, queued on the actor before the `serve` that starts the item;
+  emulated: paced to the weight sync's modelled time). In deterministic mode the engine's
+  digest after a pull is checked against the trainers' digest of that version. Under partial
+  rollout (`rollout.partial`) the pull may come while tails run: they go on under the new
+  weights, and their results say which version made which tokens.
+- Emulated accelerators: a result is delivered at the time the emulator gives its request
+  (`_pace`), not when the tiny real model finished it: the share's longest request at the
+  share's modelled end, the others when its body ends (`StageModel.chunk`), as the simulator
+  times them; a pull under running tails moves their ends by the pull (partial rollout).
+- `migrate(devices)`, the `migrate_requests` op of a rollout -> train move: the requests in
+  flight on leaving engines stop there and go back to the front of the queue (same sample
+  ids and seeds; with their prefix under partial rollout), for the remaining engines. The
+  move never waits for them to finish.
+- `drain(devices)`: route nothing new to `devices` and pump until they have nothing in flight
+  (before evaluation, which needs every engine on one version).
 - Only one thread pumps at a time (the runtime's background pump during training is joined
-  before the main thread pumps, drains or resizes); results land in per-step `StepRollout`s.
-- A lost device: its item goes back to the front of the queue and `DevicesLost` is raised
-  (the runtime stops the run: recovery is not supported under streaming, docs/pipeline.md).
+  before the main thread pumps, migrates or resizes); results land in per-step `StepRollout`s.
+- Requests in flight per engine over time are kept (`take_concurrency`) for the records.
+- A lost device: its undelivered requests go back to the front of the queue and
+  `DevicesLost` is raised (the runtime stops the run: recovery is not supported under
+  streaming, docs/pipeline.md).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
@@ -31,26 +48,57 @@ from dynaresize.pipeline.streamplan import StreamQueue
 from dynaresize.types import ROLLOUT
 
 WAKE_S = 0.02  # how often a pump looks at its stop condition while calls run
+SERVE_SLICE_S = 0.1  # longest a `serve` call runs engine iterations before it answers
+
+
+@dataclass(eq=False)
+class _Item:
+    """One dispatched item (a prompt group, or an emulated share) on one engine."""
+
+    step: int
+    requests: Any  # list of GenRequest (PacedRequests when emulated)
+    t0: float  # dispatched
+    pending: dict = field(default_factory=dict)  # sample id -> request, not yet delivered
+    due: dict = field(default_factory=dict)  # emulated: sample id -> when it may be delivered
+    held: dict = field(default_factory=dict)  # emulated: sample id -> result come back before it is due
+    real_end: float = 0.0
+
+    @property
+    def in_body(self) -> bool:
+        """More than its last request still to come (the engine does not admit yet)."""
+        return len(self.pending) > 1
+
+
+@dataclass(eq=False)
+class _Engine:
+    items: list[_Item] = field(default_factory=list)
+    to_add: list = field(default_factory=list)  # requests for its next `serve` call
+    ref: Any = None  # its `serve` call in flight
+    running: int = 0  # requests it said it still runs
+    pulls: list = field(default_factory=list)  # weight pulls queued before its next serve
+    busy_until: float = 0.0  # end of the last span recorded (spans are the union of its items)
+    spans: list = field(default_factory=list)  # (admitted, delivered or None) of each request
 
 
 class StreamRouter:
     def __init__(self, cluster: Any, eta: int, buffers: dict[int, StepRollout],
-                 weights: Callable[[int], Any], digests: dict[int, str] | None = None) -> None:
+                 weights: Callable[[int], Any], digests: dict[int, str] | None = None,
+                 partial: bool = False) -> None:
         self.cluster = cluster
         self.queue = StreamQueue(eta=eta)
+        self.partial = bool(partial)
         self.buffers = buffers  # step -> StepRollout (the runtime's `rollouts`)
         self.weights = weights  # version -> snapshot.Snapshot holding its parameters
         self.digests = digests  # version -> trainers' digest (deterministic mode), else None
-        self.inflight: dict[Any, int] = {}  # generate ref -> rank
-        self.meta: dict[Any, tuple[int, int, Any, Any]] = {}  # ref -> (rank, step, item, pull ref)
+        self.engines: dict[int, _Engine] = {}
         self.calls: list[tuple[int, int, float, float]] = []  # (device, step, t0, t1) ended since `take_calls`
         self.pulls: list[dict] = []  # weight pulls ended since `take_pulls`
-        self.items_per_step: dict[int, int] = {}  # step -> items (engine calls) it was cut into
+        self.items_per_step: dict[int, int] = {}  # step -> items it was cut into
 
     # ------------------------------------------------------------------ steps and engines
 
     def release(self, step: int, groups: list[list[Any]]) -> None:
-        """Queue `step` (its weights exist): its groups, or emulated one share per rollout device."""
+        """Queue `step` (its weights exist): its groups, or emulated one share per replica."""
         n = max(1, len(self.cluster.assignment.devices(ROLLOUT)))
         items = self.cluster.pacing.rollout_chunks(step, groups, n, stream=True)
         self.items_per_step[step] = len(items)
@@ -60,80 +108,143 @@ class StreamRouter:
     def set_engines(self, devices, version: int) -> None:
         for d in devices:
             self.queue.add_engine(d, version)
+            self.engines[d] = _Engine()
 
     def remove_engines(self, devices) -> None:
         for d in devices:
             self.queue.remove_engine(d)
+            self.engines.pop(d, None)
 
     # ------------------------------------------------------------------ pumping
+
+    def _admitting(self, e: _Engine) -> bool:
+        return not any(it.in_body for it in e.items)
 
     def _dispatch(self) -> None:
         c = self.cluster
         for d in c.assignment.devices(ROLLOUT):
-            if d in c.watchdog.lost:
-                continue
-            nxt = self.queue.next_for(d)
-            if nxt is None:
-                continue
-            pull = None
-            if nxt.pull:
-                snap = self.weights(nxt.version)
-                pull = c.pacing.call(c.workers[d], "restore_rollout", nxt.version, snap.metas, *snap.params,
-                                     pace_s=c.pacing.sync_s())
-                if self.digests is not None:
-                    pull = (pull, c.workers[d].engine_digest.remote())
-            ref = c.pacing.call(c.workers[d], "generate", nxt.item, nxt.step, pace_s=getattr(nxt.item, "pace_s", None))
-            self.inflight[ref] = d
-            self.meta[ref] = (d, nxt.step, nxt.item, pull)
+            e = self.engines.get(d)
+            while e is not None and d not in c.watchdog.lost:
+                nxt = self.queue.next_for(d, admitting=self._admitting(e), partial=self.partial)
+                if nxt is None:
+                    break
+                now, pull_s = time.time(), 0.0
+                if nxt.pull:
+                    snap = self.weights(nxt.version)
+                    pull = c.pacing.call(c.workers[d], "restore_rollout", nxt.version, snap.metas, *snap.params,
+                                         pace_s=c.pacing.sync_s())
+                    if self.digests is not None:
+                        pull = (pull, c.workers[d].engine_digest.remote())
+                    e.pulls.append((nxt.step, pull))
+                    pull_s = c.pacing.wall_s(c.pacing.sync_s())
+                    for it in e.items:  # partial rollout: the tails pause for the pull
+                        it.due = {s: t + pull_s for s, t in it.due.items()}
+                item = _Item(step=nxt.step, requests=nxt.item, t0=now,
+                             pending={tuple(r.sample_id): r for r in nxt.item})
+                item.due = c.pacing.request_due(nxt.item, now + pull_s)
+                e.items.append(item)
+                e.to_add.extend(nxt.item)
+                e.spans.extend([now, None] for _ in nxt.item)
+
+    def _serve(self, inflight: dict) -> None:
+        """A `serve` call to every engine with requests to start or still running and none in flight."""
+        c = self.cluster
+        for d, e in self.engines.items():
+            if e.ref is None and (e.to_add or e.running) and d not in c.watchdog.lost:
+                e.ref = c.workers[d].serve.remote(e.to_add, [], SERVE_SLICE_S)
+                e.to_add, e.running = [], len(e.to_add) + e.running
+                inflight[e.ref] = d
 
     def pump(self, until: Callable[[], bool], where: str, wait: Callable[[float], Any] | None = None) -> None:
-        """Dispatch and collect until `until()`. With nothing in flight and nothing to dispatch,
+        """Dispatch, serve and deliver until `until()`. With nothing in flight and nothing due,
         `wait(seconds)` is called (a stop event's wait); without `wait` that is an error."""
         c = self.cluster
         tracker = c.watchdog.tracker(where)
         last_poll = time.time()
+        inflight = {e.ref: d for d, e in self.engines.items() if e.ref is not None}
         while True:
+            self._deliver_due()
             self._dispatch()
+            self._serve(inflight)
             if until():
                 return
-            if not self.inflight:
-                if wait is None:
+            due = self._next_due()
+            if not inflight:
+                if due is None and wait is None:
                     raise RuntimeError(f"stream router: {where} cannot finish: nothing queued or in flight "
                                        f"(rollout devices {c.assignment.devices(ROLLOUT)})")
-                wait(WAKE_S)
+                pause = WAKE_S if due is None else min(WAKE_S, max(0.0, due - time.time()))
+                (wait or time.sleep)(pause)
                 continue
-            ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=WAKE_S)
+            timeout = WAKE_S if due is None else min(WAKE_S, max(0.0, due - time.time()))
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=timeout)
             if not ready and time.time() - last_poll < c.watchdog.poll_s:
                 continue
             last_poll = time.time()
-            done, lost = tracker.poll(self.inflight, first=True)  # pings the busy engines (watchdog.py)
+            done, lost = tracker.poll(inflight, first=True)  # pings the busy engines (watchdog.py)
             for ref, d, ok, res in done:
-                self._collect(ref, ok, res)
+                self._collect(d, ok, res)
             if lost:
-                for ref in [r for r in self.meta if r not in self.inflight]:
-                    d, step, item, _ = self.meta.pop(ref)
-                    self.queue.put_back(d, step, item)
-                raise DevicesLost(lost, where)
+                self._lost(lost, where)
 
-    def _collect(self, ref: Any, ok: bool, res: Any) -> None:
-        d, step, item, pull = self.meta.pop(ref)
-        c = self.cluster
+    def _collect(self, d: int, ok: bool, res: Any) -> None:
+        """A `serve` call came back: its pulls ended too; results held until due (emulated) or delivered."""
+        e = self.engines[d]
+        e.ref = None
         if not ok:
             raise res  # the engine's own error: nothing to retry
-        if pull is not None:
+        for step, pull in e.pulls:
             self._pulled(d, step, pull)
-        c.pacing.note(res)
-        buf, dev = self.buffers[step], c.ids[d]
-        buf.results.extend((dev, r) for r in res["results"])
-        buf.calls.append((dev, res["t0"], res["t1"]))
-        buf.busy_s[dev] = buf.busy_s.get(dev, 0.0) + res["t1"] - res["t0"]
-        buf.last_end[dev] = max(buf.last_end.get(dev, res["t1"]), res["t1"])
-        buf.t1 = max(buf.t1 or res["t1"], res["t1"])
-        self.calls.append((dev, step, res["t0"], res["t1"]))
-        self.queue.done(d, step)
+        e.pulls = []
+        e.running = int(res["running"])
+        for r in res["results"]:
+            item = next(it for it in e.items if tuple(r.sample_id) in it.pending)
+            item.held[tuple(r.sample_id)] = r
+            item.real_end = max(item.real_end, res["t1"])
+        self._deliver_due()
+
+    def _deliver_due(self) -> None:
+        now = time.time()
+        for d, e in self.engines.items():
+            for item in list(e.items):
+                for sid in [s for s in item.held if item.due.get(s, 0.0) <= now]:
+                    self._deliver(d, e, item, sid)
+
+    def _deliver(self, d: int, e: _Engine, item: _Item, sid: tuple) -> None:
+        c = self.cluster
+        res = item.held.pop(sid)
+        item.pending.pop(sid)
+        dev = c.ids[d]
+        t_end = max(item.due.get(sid, 0.0), item.real_end)  # emulated: when it was due (or later, an overrun)
+        buf = self.buffers[item.step]
+        buf.results.append((dev, res))
+        buf.t1 = max(buf.t1 or t_end, t_end)
+        for span in e.spans:
+            if span[1] is None and span[0] == item.t0:
+                span[1] = t_end
+                break
+        if item.pending:
+            return
+        e.items.remove(item)
+        self.queue.done(d, item.step)
+        end = max([item.real_end, *item.due.values()])
+        if item.due:  # emulated: the share's paced interval, and its real seconds (overruns)
+            c.pacing.note({"paced_from": item.t0, "paced_s": max(item.due.values()) - item.t0,
+                           "real_s": item.real_end - item.t0})
+        start = max(item.t0, e.busy_until)
+        if end > start:  # spans are the union of what the engine ran (admitted items overlap)
+            buf.calls.append((dev, start, end))
+            buf.busy_s[dev] = buf.busy_s.get(dev, 0.0) + end - start
+            self.calls.append((dev, item.step, start, end))
+        buf.last_end[dev] = max(buf.last_end.get(dev, end), end)
+        e.busy_until = max(e.busy_until, end)
+
+    def _next_due(self) -> float | None:
+        times = [item.due[s] for e in self.engines.values() for item in e.items for s in item.held if s in item.due]
+        return min(times) if times else None
 
     def _pulled(self, d: int, step: int, pull: Any) -> None:
-        """A pull chained before an engine call that ended: it ended too; check and note it."""
+        """A pull queued before a serve call that ended: it ended too; check and note it."""
         ref, digest_ref = pull if isinstance(pull, tuple) else (pull, None)
         r = ray.get(ref)
         self.cluster.pacing.note(r, stage=False)
@@ -144,6 +255,49 @@ class StreamRouter:
                 raise RuntimeError(f"weight pull of version {version} (step {step}): the engine on device "
                                    f"{self.cluster.ids[d]} does not hold the trainers' weights (digest mismatch)")
         self.pulls.append({**r, "device": self.cluster.ids[d]})
+
+    def _lost(self, lost: dict[int, str], where: str) -> None:
+        for d in lost:
+            e = self.engines.get(d)
+            for item in list(e.items if e else ()):
+                reqs = list(item.pending.values())
+                self.queue.put_back(d, item.step, self.cluster.pacing.moved_item(item.step, reqs, item.requests))
+            if e is not None:
+                self.engines[d] = _Engine()
+        raise DevicesLost(lost, where)
+
+    # ------------------------------------------------------------------ moves, drains, pulls
+
+    def migrate(self, devices) -> list[dict]:
+        """The `migrate_requests` op (see the module docstring): one entry per device with the
+        requests it handed on (`requests_moved`)."""
+        c = self.cluster
+        self.queue.close(devices)
+        out = []
+        for d in devices:
+            t0 = time.time()
+            e = self.engines.get(d)
+            if e is None:
+                out.append({"t0": t0, "t1": time.time(), "requests_moved": 0})
+                continue
+            if e.ref is not None:  # its last serve call: collect what it finished
+                res = c.wait([(d, e.ref)], f"migrate {c.ids[d]}")[0]
+                self._collect(d, True, res)
+            stopped = c.wait([(d, c.workers[d].serve.remote([], [], 0.0, abort_all=True, keep=self.partial))],
+                             f"migrate {c.ids[d]}")[0]
+            with_prefix = {tuple(r.sample_id): r for r in stopped["moved"]}
+            moved = 0
+            for item in sorted(e.items, key=lambda it: -it.step):  # the oldest step ends up first in line
+                reqs = [with_prefix.get(sid, r) for sid, r in item.pending.items()]
+                self.queue.done(d, item.step)
+                self.queue.requeue(item.step, c.pacing.moved_item(item.step, reqs, item.requests))
+                moved += len(reqs)
+            now = time.time()
+            for span in e.spans:
+                span[1] = now if span[1] is None else span[1]
+            self.engines[d] = _Engine(spans=e.spans)
+            out.append({"t0": t0, "t1": time.time(), "requests_moved": moved})
+        return out
 
     def drain(self, devices) -> tuple[float, float]:
         """Route nothing new to `devices`; pump until none of them has a request in flight.
@@ -175,4 +329,14 @@ class StreamRouter:
 
     def take_pulls(self) -> list[dict]:
         out, self.pulls = self.pulls, []
+        return out
+
+    def take_concurrency(self, t0: float, t1: float) -> dict[int, list[tuple[float, float]]]:
+        """Device id -> (admitted, delivered) of its requests in flight during [t0, t1]
+        (still running: until t1); requests delivered before t1 are forgotten afterwards."""
+        out: dict[int, list[tuple[float, float]]] = {}
+        for d, e in self.engines.items():
+            mine = [(a, t1 if b is None else b) for a, b in e.spans if (b is None or b > t0) and a < t1]
+            out[self.cluster.ids[d]] = mine
+            e.spans = [s for s in e.spans if s[1] is None or s[1] > t1]
         return out

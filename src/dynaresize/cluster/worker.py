@@ -42,6 +42,7 @@ from dynaresize.cluster.handoff import MomentHandoff
 from dynaresize.cluster.pacing import PacedMixin
 from dynaresize.cluster.worker_recovery import RecoveryMixin
 from dynaresize.cluster.worker_resize import ResizeOpsMixin
+from dynaresize.cluster.worker_serve import ServeMixin
 from dynaresize.cluster.worker_train import TrainStageMixin
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import CommPool
@@ -63,7 +64,7 @@ def local_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin):
+class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, ServeMixin):
     """The actor body (wrapped by `ray.remote` in `remote_worker_class`)."""
 
     def __init__(self, device: int, config: dict) -> None:
@@ -238,6 +239,7 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin):
 
     def load_checkpoint(self, directory: str, train_ranks: Sequence[int]) -> dict:
         if self.engine is not None:
+            self._forget_requests()
             self.engine.release()
             self.engine = None
         self.trainer = self._new_trainer(train_ranks, init=False)

@@ -163,4 +163,5 @@ class RecoveryMixin:
         if self.engine is None:
             self.engine = self._new_engine()
         self.engine.set_weights(unflatten(flat.to(self.torch_device), self._model_specs()), version)
+        self._mark_version(version)  # partial rollout: running requests go on under `version` (worker_serve.py)
         self.role = "rollout"

@@ -140,8 +140,10 @@ class ResizeOpsMixin:
         this call (queued behind every earlier call on the main thread) proves: the engine's
         unfinished requests are counted, and must be 0."""
         t0 = time.time()
-        held = int(self.engine.has_unfinished()) if self.engine is not None and hasattr(self.engine, "has_unfinished") else 0
-        return {"t0": t0, "t1": time.time(), "requests_moved": 0, "requests_held": held}
+        held = len(self._served())
+        if held:
+            raise RuntimeError(f"device {self.device}: {held} requests in flight at a one-step-off boundary")
+        return {"t0": t0, "t1": time.time(), "requests_moved": 0}
 
     def release_engine(self, step: int) -> dict:
         """Rollout -> train: release the engine's memory (nothing is in flight at a step
@@ -156,6 +158,7 @@ class ResizeOpsMixin:
             self._parked = self.engine
         elif self.engine is not None:
             self.engine.release()
+        self._forget_requests()  # the router moved them first (migrate_requests)
         self.engine, self.role = None, "joining"
         release_device_memory(self.torch_device)
         return {"t0": t0, "t1": time.time(), "memory_freed": freed}

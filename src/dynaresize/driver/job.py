@@ -187,7 +187,7 @@ class Job:
             device, res = by_id[sid]
             ledger.generated(sample_id=sid, version=res.version, device=device, num_tokens=len(res.response_ids),
                              token_sha1=token_sha1(res.response_ids),
-                             seed=sample_seed(self.cfg.seed, *sid))
+                             seed=sample_seed(self.cfg.seed, *sid), versions=res.versions)
             texts[sid] = tasks.decode_response(self.tokenizer, res.response_ids)
         values, left_out, metrics = self._rewards(step, ordered, records, texts, by_id, ledger)
         rewards_out = [values[sid] for sid in ordered]

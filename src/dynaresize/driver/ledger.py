@@ -47,6 +47,7 @@ class Entry:
     times_generated: int = 1
     times_consumed: int = 0
     reissued: str | None = None  # why it was generated again (a lost device), if it was
+    versions: tuple[tuple[int, int], ...] = ()  # partial rollout: (version, first token), when several made it
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Ledger:
         self.expected[step] = set(ids)
 
     def generated(self, *, sample_id: SampleId, version: int, device: int, num_tokens: int,
-                  token_sha1: str, seed: int) -> Entry:
+                  token_sha1: str, seed: int, versions: tuple = ()) -> Entry:
         old = self.entries.get(sample_id)
         if old is not None and old.dropped is None:
             old.times_generated += 1
@@ -72,7 +73,8 @@ class Ledger:
         if old is not None and old.seed != seed:
             self.problems.append(f"sample {sample_id_str(sample_id)} re-issued with a different seed")
         entry = Entry(sample_id=sample_id, version=version, device=device, num_tokens=num_tokens,
-                      token_sha1=token_sha1, seed=seed, reissued=self.reissues.pop(sample_id, None))
+                      token_sha1=token_sha1, seed=seed, reissued=self.reissues.pop(sample_id, None),
+                      versions=tuple(tuple(v) for v in versions))
         self.entries[sample_id] = entry
         return entry
 
@@ -138,6 +140,10 @@ class Ledger:
                 if e.consumed_step - e.version > self.staleness:
                     out.append(f"sample {sample_id_str(sid)} version {e.version} too stale for "
                                f"step {e.consumed_step} (bound {self.staleness})")
+                newest = max([e.version, *(v for v, _ in e.versions)])
+                if newest > e.consumed_step or [v for v, _ in e.versions] != sorted(v for v, _ in e.versions):
+                    out.append(f"sample {sample_id_str(sid)}: token versions {list(e.versions)} out of order or "
+                               f"newer than the step that consumed it ({e.consumed_step})")
         return out
 
     def ok(self) -> bool:
@@ -161,6 +167,7 @@ def sample_record(entry: Entry) -> dict:
         "seed": entry.seed,
         "reward_error": entry.reward_error,
         "reissued": entry.reissued,
+        **({"versions": [list(v) for v in entry.versions]} if entry.versions else {}),
     }
 
 

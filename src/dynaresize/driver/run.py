@@ -57,6 +57,12 @@ from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan, StepReport
 OP_EXTRAS = ("peak_staging_bytes", "kv_cache_bytes", "requests_moved")  # op-record fields only some ops have
 
 
+def moved_field(ops: list[dict]) -> dict:
+    """A resize record's `requests_moved`: what its migrate_requests ops handed on (rollout -> train)."""
+    moved = [op["requests_moved"] for op in ops if "requests_moved" in op]
+    return {"requests_moved": sum(moved)} if moved else {}
+
+
 class Run(StepReporting):
     """One job's driver state: records, ledger, controller, the device cluster and snapshots."""
 
@@ -295,10 +301,8 @@ class Run(StepReporting):
                 self.controller.on_resize_done(cmd.resize_id, 0.0, 0.0)  # the run ends: nothing to move
 
     def _resize(self, step: int, plan: ResizePlan) -> None:
-        drain_s = self.stream.before_resize(plan) if self.stream else None  # no request left on a leaver
         outcome = self.cluster.resize(plan, version=step + 1, step=step,
                                       background_moments=self.cfg.reshard.background_moments)
-        outcome.drain_s = drain_s
         if self.stream:
             self.stream.after_resize(plan, version=step + 1)
         self.assignment = plan.dst
@@ -326,7 +330,7 @@ class Run(StepReporting):
                             critical_s=self.timing.clock.span(o.t_decide, o.critical_end),
                             total_s=self.timing.clock.span(o.t_decide, total_end),
                             t_s=self.rel(o.t_decide), groups_created_critical=o.groups_created_critical,
-                            reason=plan.reason, **({} if o.drain_s is None else {"drain_s": o.drain_s}))
+                            reason=plan.reason, **moved_field(o.ops))
         self.resizes.append(rec)
 
     # ------------------------------------------------------------------ outputs

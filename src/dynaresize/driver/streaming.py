@@ -11,17 +11,25 @@ Window k of `Run.run` under streaming (the one-step-off window is `Run._window`)
     -> StepReport -> Controller.on_report -> resize plan
 
 Requests stay in flight across windows: nothing waits for a step's longest response except
-the training of that very step. Which weights generate a sample depends only on its step
-(version max(0, s - eta)), so a run with resizes equals a static run with the same eta.
+the training of that very step. The router drives each engine request by request
+(cluster/router.py): a replica whose current item is down to its last request admits the next
+item of the version it holds. Which weights generate a sample depends only on its step
+(version max(0, s - eta)), so a run with resizes equals a static run with the same eta, except
+under partial rollout (`rollout.partial`), where a running request goes on under newer weights
+and its tokens come from a range of versions (the sample records them; the oldest is within
+the bound; not deterministic, which the config refuses together).
 
 Bounds (pipeline/streamplan.py states and checks them): in window k at most eta+1 steps are in rollout
-(k .. k+eta) and buffered unconsumed; engines generate with versions max(0, k-eta) .. k, one at
-a time each; the driver keeps the weights of versions max(0, k-eta) .. k+1.
+(k .. k+eta) and buffered unconsumed; engines generate with versions max(0, k-eta) .. k; the
+driver keeps the weights of versions max(0, k-eta) .. k+1.
 
-Resizes (the same controller, plan and ops): an engine leaving the rollout pool is drained
-first (nothing new is routed to it; the other engines go on; the wait is the resize record's
-`drain_s`), so no request is in flight on it when the plan's ops run. An engine joining holds
-the version its trainers just made (k+1) and pulls another one when its first item needs it.
+Resizes (the same controller, plan and ops): an engine leaving the rollout pool hands its
+requests in flight to the remaining replicas in the plan's `migrate_requests` op (same sample
+ids and seeds; with their prefix under partial rollout); the resize record counts them
+(`requests_moved`), and the move never waits for them to finish. An engine joining holds the
+version its trainers just made (k+1) and pulls another one when its first item needs it.
+Each window also records, per rollout device, its requests in flight over time
+(`concurrency` records, a figure in `dynaresize report`).
 
 Not supported under streaming (refused as config errors naming `train.staleness`, exit 2):
 faults (recovery) and periodic checkpoints; `--resume` of a streaming run is refused too. A
@@ -36,6 +44,7 @@ from typing import Any
 
 from dynaresize.cluster.router import WAKE_S, StreamRouter
 from dynaresize.driver.accumulate import StepAccumulator
+from dynaresize.pipeline.concurrency import concurrency_summary
 from dynaresize.pipeline.stepstate import StepRollout, Window
 from dynaresize.pipeline.streamplan import released_through
 from dynaresize.types import ROLLOUT, ResizePlan
@@ -49,7 +58,8 @@ class Streaming:
         self.eta = run.cfg.train.staleness
         self.digests: dict[int, str] | None = {} if run.cfg.deterministic else None
         self.router = StreamRouter(run.cluster, self.eta, run.rollouts, weights=lambda v: run.snapshots[v],
-                                   digests=self.digests)
+                                   digests=self.digests, partial=run.cfg.rollout.partial)
+        run.cluster.migrator = self.router.migrate  # the plan's migrate_requests op (cluster.py)
         self.window_calls: list[tuple[int, float, float]] = []
         self.expected: dict[int, list] = {}  # released step -> its sample ids
         self.train_parts: dict[int, list[tuple[float, float]]] = {}  # step -> (t0, t1) of each training call
@@ -91,6 +101,7 @@ class Streaming:
             stop.set()
             future.result()
         self._spans()
+        self._concurrency(step, w.t0)
         run.cluster.raise_if_lost(f"step {step}")
         if w.synced is None:
             if self.digests is not None:
@@ -141,6 +152,14 @@ class Streaming:
         done = buf.t1 if buf is not None and buf.t1 else parts[-1][0]
         return train_s, train_s * num_train, c.span(max(done, parts[0][0]), parts[-1][1])
 
+    def _concurrency(self, step: int, window_t0: float) -> None:
+        """One `concurrency` record per rollout device: its requests in flight in this window."""
+        run, now = self.run, time.time()
+        t0, t1 = run.rel(window_t0), run.rel(now)
+        for dev, spans in sorted(self.router.take_concurrency(window_t0, now).items()):
+            summary = concurrency_summary([(run.rel(a), run.rel(b)) for a, b in spans], t0, t1)
+            run.rec.emit("concurrency", step=step, device=dev, **summary)
+
     def _spans(self) -> None:
         run = self.run
         for d, step, t0, t1 in self.router.take_calls():
@@ -158,15 +177,6 @@ class Streaming:
                            t1=buf.t1 if buf and buf.t1 else window_t0)
 
     # ------------------------------------------------------------------ resizes and evaluation
-
-    def before_resize(self, plan: ResizePlan) -> float | None:
-        """Engines leaving the rollout pool finish their requests first; the drain's seconds."""
-        moving = [d for d in plan.moving if d in plan.src.devices(ROLLOUT)]
-        if not moving:
-            return None
-        t0, t1 = self.router.drain(moving)
-        self._spans()
-        return self.run.timing.clock.span(t0, t1)
 
     def after_resize(self, plan: ResizePlan, version: int) -> None:
         left = [d for d in plan.src.devices(ROLLOUT) if d not in plan.dst.devices(ROLLOUT)]

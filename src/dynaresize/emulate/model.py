@@ -77,8 +77,9 @@ def time_scale_of(cluster: Any) -> float:
 
 def emulated_bounds(target: Target, policy: Any, num_devices: int) -> Bounds:
     """The simulator's bounds (`costmodel.scenarios.Scenario.bounds`) under the user's policy limits:
-    a rollout replica (tp devices) is the least rollout pool and the move unit, and the
-    training state's memory floor the least training pool."""
+    a rollout replica (tp devices) is the least rollout pool and the move unit, the
+    training state's memory floor the least training pool, and `policy.allowed_rollout` (when
+    set) the only splits."""
     from dynaresize.costmodel.costs import min_train_devices
 
     model, hw = get_model(target.model), get_hardware(target.accelerator)
@@ -86,7 +87,8 @@ def emulated_bounds(target: Target, policy: Any, num_devices: int) -> Bounds:
     unit = -(-max(policy.move_unit, tp) // tp) * tp
     min_rollout = -(-max(policy.min_rollout, tp) // unit) * unit
     return Bounds(num_devices=num_devices, min_rollout=min_rollout,
-                  min_train=max(policy.min_train, min_train_devices(model, hw)), move_unit=unit)
+                  min_train=max(policy.min_train, min_train_devices(model, hw)), move_unit=unit,
+                  allowed_rollout=tuple(getattr(policy, "allowed_rollout", ())))
 
 
 def run_bounds(cfg: Any) -> Bounds:
@@ -94,7 +96,8 @@ def run_bounds(cfg: Any) -> Bounds:
     c, p = cfg.cluster, cfg.policy
     if getattr(c, "emulate", None):
         return emulated_bounds(parse(c.emulate), p, c.devices)
-    return Bounds(num_devices=c.devices, min_rollout=p.min_rollout, min_train=p.min_train, move_unit=p.move_unit)
+    return Bounds(num_devices=c.devices, min_rollout=p.min_rollout, min_train=p.min_train, move_unit=p.move_unit,
+                  allowed_rollout=tuple(getattr(p, "allowed_rollout", ())))
 
 
 class Emulator:
@@ -169,12 +172,26 @@ class Emulator:
         share = max(1, min(self.stages.slots(step), -(-n // max(1, num_rollout // self.model.rollout_tp))))
         return [(lo, min(lo + share, n)) for lo in range(0, n, share)]
 
-    def stream_plan(self, step: int, num_rollout: int) -> list[tuple[tuple[int, ...], float]]:
-        """`stream_shares` as dispatch items: each paced to its time on one replica
-        (`StageModel.chunk`); a replica's tp devices split its share."""
-        tp = self.model.rollout_tp
-        return [(tuple(range(lo, hi))[part::tp], self.stages.chunk(step, lo, hi).time_s)
-                for lo, hi in self.stream_shares(step, num_rollout) for part in range(tp)]
+    def stream_plan(self, step: int, num_rollout: int) -> list[tuple[tuple[int, ...], float, float, int]]:
+        """`stream_shares` as dispatch items (positions, time, body time, longest position):
+        each timed on one replica (`StageModel.chunk`: its longest request ends at `time`, the
+        others by the end of its body); a replica's tp devices split its share."""
+        tp, out = self.model.rollout_tp, []
+        for lo, hi in self.stream_shares(step, num_rollout):
+            ch, top = self.stages.chunk(step, lo, hi), lo + int(np.argmax(self.lengths_flat(step)[lo:hi]))
+            out += [(tuple(range(lo, hi))[part::tp], ch.time_s, ch.body_s, top) for part in range(tp)]
+        return out
+
+    def moved_share(self, step: int, positions: list[int]) -> tuple[float, float, int]:
+        """(time, body time, longest position) of requests moved to another replica, run there
+        from their first token (`StageModel.chunk_at`, as the simulator's migration)."""
+        ch = self.stages.chunk_at(step, positions)
+        top = max(positions, key=lambda i: (self.lengths_flat(step)[i], -i))
+        return ch.time_s, ch.body_s, top
+
+    def lengths_flat(self, step: int) -> np.ndarray:
+        """Emulated response lengths of `step` in batch order."""
+        return self.batch(step).response_tokens
 
     def rollout_s(self, step: int, num_rollout: int) -> float:
         return self.stages.rollout(step, num_rollout).time_s

@@ -35,8 +35,9 @@ def predict(cfg: Any, policy_name: str | None = None, recorder: Any = None):
     split, with the same bounds and no pilot. Returns a `sim.engine.PolicyResult`.
 
     With `train.staleness` >= 2 it is the streaming engine as the runtime runs it: the trainers
-    accumulate a step's gradients as its samples arrive, and an engine runs one share at a time
-    (the simulator's `admit` off)."""
+    accumulate a step's gradients as its samples arrive, a replica admits its next share while
+    the last request of its current one decodes (`admit`), and `rollout.partial` is partial
+    rollout."""
     from dynaresize.policy.base import make_policy
     from dynaresize.sim.engine import run_policy
     from dynaresize.sim.stream import run_stream
@@ -52,7 +53,8 @@ def predict(cfg: Any, policy_name: str | None = None, recorder: Any = None):
     scenario = emu.scenario(cfg.cluster.devices)
     if eta >= 2:
         return run_stream(scenario, scenario.stages(), policy, bounds, start_rollout=start, staleness=eta,
-                          admit=False, reversal_window=pcfg.horizon_steps, recorder=recorder)
+                          partial=cfg.rollout.partial, admit=True, reversal_window=pcfg.horizon_steps,
+                          recorder=recorder)
     return run_policy(scenario, scenario.stages(), policy, bounds, start_rollout=start,
                       reversal_window=pcfg.horizon_steps, recorder=recorder)
 
@@ -70,8 +72,8 @@ def best_static(cfg: Any) -> tuple[int, float]:
     scenario = emu.scenario(cfg.cluster.devices)
     bounds, eta = run_bounds(cfg), int(cfg.train.staleness)
     if eta >= 2:
-        split, total, _, _ = stream_best_static(scenario, scenario.stages(), bounds, grid(bounds), eta, False,
-                                                admit=False)
+        split, total, _, _ = stream_best_static(scenario, scenario.stages(), bounds, grid(bounds), eta,
+                                                cfg.rollout.partial, admit=True)
     else:
         split, total = sweep(build_table(scenario.stages(), grid(bounds), cfg.cluster.devices, cfg.steps))
     return split, scenario.total_samples() / total

@@ -13,13 +13,19 @@ s <= trained + eta are released (`released_through`): their groups join the queu
 order. In the window of training step k (trained = k), the released steps are those up to
 k + eta; step k itself is complete before training k starts (GRPO groups stay whole).
 
-Dispatch rule. A free engine takes the next item (a prompt group, or an emulated replica's
-share) of the oldest step that still has items queued. An engine holds one weight version at
-a time and has at most one item in flight, so when it is free nothing of its older version is
-running: if the item's version differs from the one it holds, it first pulls that version
-(`Dispatch.pull`), then generates. Engines thus finish every request of the older version
-before they move on, and a replica that finished its share of step s starts on s+1, s+2, ...
-as soon as their versions exist instead of waiting for step s's longest response.
+Dispatch rule (admission). A free engine takes the next item (a prompt group, or an emulated
+replica's share) of the oldest step that still has items queued: first in, first out. An
+engine holds one weight version at a time and may run several items: it is *admitting* when
+every item it runs is down to its last request (the tail), and then takes the next item if
+that item needs the version it holds. An item of another version waits until the engine's
+tails are done, then the engine pulls that version first (`Dispatch.pull`); under partial
+rollout (`partial`) it pulls at once and its tails go on under the newer weights. So, without
+partial rollout, an engine never mixes versions, and which weights generate a sample depends
+only on its step. A replica that finished its share of step s starts on s+1, s+2, ... as soon
+as their versions exist instead of waiting for step s's longest response.
+
+Moved items (a device left the rollout pool with requests in flight, `requeue`): the
+unfinished requests go back to the front of the queue as a new item of their step.
 
 Bounds (checked by `check_bounds`, tested in tests/unit/test_streamplan.py), in the window of
 training step k:
@@ -66,7 +72,7 @@ class StreamQueue:
     queue: deque = field(default_factory=deque)  # (step, item), steps in ascending order
     outstanding: dict[int, int] = field(default_factory=dict)  # step -> items queued or in flight
     engine_version: dict[int, int] = field(default_factory=dict)  # rollout device -> version it holds
-    busy: dict[int, int] = field(default_factory=dict)  # device -> step of its item in flight
+    busy: dict[int, list[int]] = field(default_factory=dict)  # device -> steps of its items in flight
     closed: set[int] = field(default_factory=set)  # devices that take no new item (draining)
 
     # ------------------------------------------------------------------ steps
@@ -105,8 +111,9 @@ class StreamQueue:
         self.closed.discard(device)
 
     def remove_engine(self, device: int) -> None:
-        if device in self.busy:
-            raise ValueError(f"engine {device} removed with step {self.busy[device]} in flight")
+        if self.busy.get(device):
+            raise ValueError(f"engine {device} removed with steps {self.busy[device]} in flight")
+        self.busy.pop(device, None)
         self.engine_version.pop(device, None)
         self.closed.discard(device)
 
@@ -115,29 +122,46 @@ class StreamQueue:
         self.closed.update(devices)
 
     def idle(self, devices) -> bool:
-        return not any(d in self.busy for d in devices)
+        return not any(self.busy.get(d) for d in devices)
 
-    def next_for(self, device: int) -> Dispatch | None:
-        """The next item for a free, open engine; None when it is busy, closed or nothing is queued."""
-        if device in self.busy or device in self.closed or device not in self.engine_version or not self.queue:
+    def next_for(self, device: int, *, admitting: bool = False, partial: bool = False) -> Dispatch | None:
+        """The next item for an open engine (see the dispatch rule): None when it is closed,
+        runs items not all in their tail (`admitting` False), would have to change version
+        under running tails without `partial`, or nothing is queued."""
+        running = self.busy.get(device)
+        if device in self.closed or device not in self.engine_version or not self.queue or (running and not admitting):
             return None
-        step, item = self.queue.popleft()
+        step, item = self.queue[0]
         version = rollout_version(step, self.eta)
         pull = self.engine_version[device] != version
+        if pull and running and not partial:
+            return None
+        self.queue.popleft()
         self.engine_version[device] = version
-        self.busy[device] = step
+        self.busy.setdefault(device, []).append(step)
         return Dispatch(device=device, step=step, item=item, version=version, pull=pull)
 
-    def done(self, device: int, step: int) -> None:
-        """The engine's item of `step` came back."""
-        if self.busy.pop(device, None) != step:
+    def _leave(self, device: int, step: int) -> None:
+        steps = self.busy.get(device) or []
+        if step not in steps:
             raise ValueError(f"engine {device}: no item of step {step} in flight")
+        steps.remove(step)
+
+    def done(self, device: int, step: int) -> None:
+        """The engine's item of `step` came back whole."""
+        self._leave(device, step)
         self.outstanding[step] -= 1
 
     def put_back(self, device: int, step: int, item: Any) -> None:
         """The engine's item did not run (its device was lost): first in line again."""
-        if self.busy.pop(device, None) != step:
-            raise ValueError(f"engine {device}: no item of step {step} in flight")
+        self._leave(device, step)
+        self.queue.appendleft((step, item))
+
+    def requeue(self, step: int, item: Any) -> None:
+        """Requests moved off a leaving engine: a new item of `step`, first in line."""
+        if step not in self.outstanding:
+            raise ValueError(f"step {step} was never released")
+        self.outstanding[step] += 1
         self.queue.appendleft((step, item))
 
     # ------------------------------------------------------------------ bounds
@@ -154,7 +178,7 @@ class StreamQueue:
             out.append(f"steps in flight {flying} outside {lo}..{hi}")
         held = self.versions_held()
         vlo = rollout_version(trained, self.eta)
-        busy_versions = {rollout_version(s, self.eta) for s in self.busy.values()}
+        busy_versions = {rollout_version(s, self.eta) for steps in self.busy.values() for s in steps}
         if any(v > trained for v in held) or any(v < vlo for v in busy_versions):
             out.append(f"engine versions {sorted(held)} (running {sorted(busy_versions)}) outside {vlo}..{trained}")
         return out

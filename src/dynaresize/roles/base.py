@@ -34,6 +34,11 @@ class GenRequest:
     max_new_tokens: int
     seed: int  # rl.seeds.sample_seed(run_seed, *sample_id)
     forced_length: int | None = None  # synthetic-length mode: ignore EOS, stop at exactly this many
+    # Partial rollout: what the sample had generated before it moved (tokens, their log-probs,
+    # `GenResult.versions`); the engine continues from prompt + prefix (cluster/worker_serve.py).
+    prefix_ids: tuple[int, ...] = ()
+    prefix_logprobs: tuple[float, ...] = ()
+    prefix_versions: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,16 @@ class GenResult:
     sample_id: SampleId
     response_ids: list[int]
     logprobs: list[float]  # of each sampled token, under the sampling distribution (temperature applied)
-    version: int  # optimizer steps applied to the weights that generated it
+    version: int  # optimizer steps applied to the weights that generated it (partial rollout: its first token)
     duration_s: float  # wall time from the start of its batch to its last token
+    # Partial rollout: (version, index of the first token it generated), ascending; empty when
+    # every token came from `version`.
+    versions: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def version_max(self) -> int:
+        """The newest weight version any of its tokens came from."""
+        return max([self.version, *(v for v, _ in self.versions)])
 
 
 @runtime_checkable
@@ -71,6 +84,8 @@ class SteppingEngine(Protocol):
     def abort(self, sample_ids: Sequence[SampleId]) -> list[SampleId]: ...  # those stopped (no result)
 
     def has_unfinished(self) -> bool: ...
+
+    def progress(self) -> dict[SampleId, tuple[list[int], list[float]]]: ...  # running: tokens so far
 
 
 def target_len(r: GenRequest) -> int:

@@ -148,6 +148,11 @@ class HFRolloutEngine:
     def has_unfinished(self) -> bool:
         return bool(self._cohorts)
 
+    def progress(self) -> dict[tuple[int, int, int], tuple[list[int], list[float]]]:
+        """The running requests' tokens so far and their log-probs (copies)."""
+        return {tuple(r.sample_id): (list(c.tokens[i]), list(c.logprobs[i]))
+                for c in self._cohorts for i, r in enumerate(c.batch) if not c.finished[i]}
+
     def _batches(self, requests: Sequence[GenRequest]) -> list[list[int]]:
         """Request indices bucketed by prompt length; within a bucket, longest targets first
         (so rows that end together share a batch), chunked into `batch_rows`."""

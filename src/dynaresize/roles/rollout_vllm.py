@@ -47,9 +47,9 @@ from dynaresize.rl.models import build_tokenizer, hf_config, max_positions
 from dynaresize.roles.base import GenRequest, GenResult, run_to_completion, target_len, vllm_model_problem
 from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
-from dynaresize.roles.vllm_requests import check_fits, empty_result, result_of, vllm_request
+from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request
 from dynaresize.roles.vllm_weights import (_rpc_digest, _rpc_kv_cache_bytes, _rpc_redispatch_tied_head, _rpc_reload,
-                                           _rpc_weight_shapes, weight_chunks)
+                                           _rpc_weight_shapes, check_names, weight_chunks)
 from dynaresize.roles.vllm_world import destroy_vllm_world, install_safe_cleanup, internals_problem, vllm_world
 
 # Set for the engine's creation: in-process engine core (no subprocess), no usage reporting.
@@ -110,7 +110,8 @@ class VLLMRolloutEngine:
         self._eos_ids: set[int] = set()
         self._parked = False
         self._request_ids = itertools.count()
-        self._running: dict[str, tuple[GenRequest, float, str]] = {}  # ours -> (request, start, vLLM's id)
+        # ours -> (request, start, vLLM's id, tokens so far, their log-probs)
+        self._running: dict[str, tuple[GenRequest, float, str, list[int], list[float]]] = {}
         self._rid: dict[str, str] = {}  # an id vLLM's outputs may carry (ours or its own) -> ours
         self._ready: list[GenResult] = []  # results due at the next `step` (zero-length requests)
 
@@ -185,7 +186,7 @@ class VLLMRolloutEngine:
         self.timings = {"load_s": time.perf_counter() - t0}
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
-        self._check_names(state_dict)
+        check_names(state_dict, self._shapes, self._tied)
         sd = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in state_dict.items()}
         with preserve_process_state(env=False):
             for chunk in weight_chunks(sd, self.load_chunk_bytes):
@@ -193,19 +194,6 @@ class VLLMRolloutEngine:
             if self._tied:
                 self._llm.collective_rpc(_rpc_redispatch_tied_head)
             self._llm.reset_prefix_cache()
-
-    def _check_names(self, state_dict: Mapping[str, Any]) -> None:
-        names = set(state_dict)
-        optional = {"lm_head.weight"} if self._tied else set()
-        missing = sorted(set(self._shapes) - optional - names)
-        unexpected = sorted(names - set(self._shapes))
-        if missing or unexpected:
-            raise RuntimeError(f"vLLM engine weights: missing key(s) {missing[:8]}, unexpected key(s) "
-                               f"{unexpected[:8]} (of {len(names)} given, {len(self._shapes)} expected)")
-        for name in sorted(names):
-            shape = tuple(state_dict[name].shape)
-            if shape != self._shapes[name]:
-                raise RuntimeError(f"vLLM engine weights: {name} has shape {shape}, the engine {self._shapes[name]}")
 
     def release(self) -> None:
         """Tear the engine down: model, KV cache, its process groups; `start` builds it again."""
@@ -339,7 +327,7 @@ class VLLMRolloutEngine:
                 rid = f"dynaresize-{next(self._request_ids)}"
                 internal = engine.add_request(rid, *vllm_request(r, self.temperature))
                 internal = internal if isinstance(internal, str) else rid  # outputs may carry vLLM's own id
-                self._running[rid] = (r, time.perf_counter(), internal)
+                self._running[rid] = (r, time.perf_counter(), internal, [], [])
                 self._rid[rid] = self._rid[internal] = rid
 
     def step(self) -> list[GenResult]:
@@ -349,15 +337,19 @@ class VLLMRolloutEngine:
             with preserve_process_state(env=False):
                 for o in self._llm.llm_engine.step():
                     rid = self._rid.get(o.request_id)
-                    if o.finished and rid in self._running:
+                    if rid not in self._running:
+                        continue
+                    req, _, _, tokens, logprobs = self._running[rid]
+                    extend(req, o, tokens, logprobs)
+                    if o.finished:
                         req, t0 = self._drop(rid)
-                        out.append(result_of(req, o, self.version, time.perf_counter() - t0))
+                        out.append(result_of(req, tokens, logprobs, self.version, time.perf_counter() - t0))
         return out
 
     def abort(self, sample_ids: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """Stop these requests (no result for them); the ids that were running."""
         wanted = {tuple(s) for s in sample_ids}
-        rids = [rid for rid, (r, _, _) in self._running.items() if tuple(r.sample_id) in wanted]
+        rids = [rid for rid, (r, *_) in self._running.items() if tuple(r.sample_id) in wanted]
         if rids:
             with preserve_process_state(env=False):
                 self._llm.llm_engine.abort_request(rids)
@@ -366,9 +358,13 @@ class VLLMRolloutEngine:
     def has_unfinished(self) -> bool:
         return bool(self._ready or self._running)
 
+    def progress(self) -> dict[tuple[int, int, int], tuple[list[int], list[float]]]:
+        """The running requests' tokens so far and their log-probs (copies)."""
+        return {tuple(r.sample_id): (list(t), list(lp)) for r, _, _, t, lp in self._running.values()}
+
     def _drop(self, rid: str) -> tuple[GenRequest, float]:
         """Forget a request that finished or was aborted: (request, start)."""
-        req, t0, internal = self._running.pop(rid)
+        req, t0, internal, _, _ = self._running.pop(rid)
         self._rid.pop(rid, None)
         self._rid.pop(internal, None)
         return req, t0

@@ -3,7 +3,8 @@ engine's request bookkeeping: roles/rollout_vllm.py `add` / `step` / `abort`).
 
 Every request is its own vLLM request with `SamplingParams(seed=GenRequest.seed)`, so its tokens
 depend on (weights, prompt, seed, target length), not on what else the engine runs; only the
-final output is kept (`FINAL_ONLY`), with the log-prob of each sampled token. Imports vLLM
+tokens come back as they are made (`DELTA`) with the log-prob of each sampled token, so the
+engine knows every running request's progress (partial rollout moves it with its prefix). Imports vLLM
 inside the functions that need it.
 """
 
@@ -31,19 +32,26 @@ def vllm_request(r: GenRequest, temperature: float) -> tuple[Any, Any]:
 
     params = SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, seed=int(r.seed),
                             max_tokens=target_len(r), ignore_eos=r.forced_length is not None, logprobs=0,
-                            detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+                            detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
     return TokensPrompt(prompt_token_ids=list(map(int, r.prompt_ids))), params
 
 
-def result_of(req: GenRequest, out: Any, version: int, duration_s: float) -> GenResult:
-    """The `GenResult` of a finished vLLM output (its tokens and each one's log-prob)."""
+def extend(req: GenRequest, out: Any, tokens: list[int], logprobs: list[float]) -> None:
+    """Append a `DELTA` output's new tokens and their log-probs to the request's so far."""
     comp = out.outputs[0]
-    tokens = [int(t) for t in comp.token_ids]
-    logprobs = [float(entry[tok].logprob) for tok, entry in zip(tokens, comp.logprobs or [])]
-    if len(logprobs) != len(tokens):
-        raise RuntimeError(f"sample {req.sample_id}: {len(logprobs)} log-probs for {len(tokens)} tokens")
-    return GenResult(sample_id=tuple(req.sample_id), response_ids=tokens, logprobs=logprobs, version=version,
-                     duration_s=float(duration_s))
+    new = [int(t) for t in comp.token_ids]
+    lps = [float(entry[tok].logprob) for tok, entry in zip(new, comp.logprobs or [])]
+    if len(lps) != len(new):
+        raise RuntimeError(f"sample {req.sample_id}: {len(lps)} log-probs for {len(new)} tokens")
+    tokens.extend(new)
+    logprobs.extend(lps)
+
+
+def result_of(req: GenRequest, tokens: list[int], logprobs: list[float], version: int,
+              duration_s: float) -> GenResult:
+    """The `GenResult` of a finished request (its tokens and each one's log-prob)."""
+    return GenResult(sample_id=tuple(req.sample_id), response_ids=list(tokens), logprobs=list(logprobs),
+                     version=version, duration_s=float(duration_s))
 
 
 def empty_result(r: GenRequest, version: int) -> GenResult:

@@ -197,3 +197,18 @@ def _linear_weight(mod: torch.nn.Module, materialize: bool, rows_per_probe: int 
             eye[torch.arange(hi - lo), torch.arange(lo, hi)] = 1
             cols.append(kernel(eye, w, None))  # (hi-lo, n_out) = W[:, lo:hi]^T
         return torch.cat(cols, dim=0).t().contiguous()
+
+
+def check_names(state_dict: Mapping[str, Any], shapes: dict[str, tuple[int, ...]], tied: bool) -> None:
+    """Every engine weight given once with its shape (a tied lm_head may be left out)."""
+    names = set(state_dict)
+    optional = {"lm_head.weight"} if tied else set()
+    missing = sorted(set(shapes) - optional - names)
+    unexpected = sorted(names - set(shapes))
+    if missing or unexpected:
+        raise RuntimeError(f"vLLM engine weights: missing key(s) {missing[:8]}, unexpected key(s) "
+                           f"{unexpected[:8]} (of {len(names)} given, {len(shapes)} expected)")
+    for name in sorted(names):
+        shape = tuple(state_dict[name].shape)
+        if shape != shapes[name]:
+            raise RuntimeError(f"vLLM engine weights: {name} has shape {shape}, the engine {shapes[name]}")

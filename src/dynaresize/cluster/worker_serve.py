@@ -1,0 +1,141 @@
+"""A rollout worker serving requests one engine iteration at a time (the streaming router's
+side on the device, cluster/router.py).
+
+`serve(add, abort, max_s)` is one call on the worker's main thread: it aborts the requests
+named, starts the ones given, then runs engine iterations (`SteppingEngine.step`) until a
+request finishes, `max_s` has passed, or nothing runs; it returns the finished results and
+how many requests still run. The driver keeps at most one `serve` in flight per engine and
+sends the next one when it comes back, so between any two iterations the worker serves its
+other calls (a weight pull, a release, the ops of a resize) in the order the driver sent them:
+the one-issuing-thread rule of cluster/worker.py holds unchanged.
+
+Weight versions per token. A request is tagged with the version its engine held when it
+started. A pull while requests run happens only under partial rollout (`rollout.partial`;
+otherwise it is a bug and refused): each running request then notes (new version, tokens made
+so far), and its result carries the list (`GenResult.versions`), so the ledger sees the oldest
+version and the trainer the per-token log-probs of the weights that made each token.
+
+Moving requests (`abort_all`, the `migrate_requests` op): every running request stops and
+comes back as a request to send elsewhere. With `keep` (partial rollout) it carries its
+prefix (tokens, log-probs, versions) and continues from prompt + prefix on another replica,
+a fresh prefill there (the KV does not move); otherwise it comes back as it was sent and runs
+again from its first token, which gives the same tokens (the seed belongs to the sample).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from dynaresize.roles.base import GenRequest, GenResult, SampleId
+
+RESUME_SEED_STRIDE = 1_000_003  # a resumed request samples from a stream of its own (seed + stride x prefix)
+
+
+@dataclass
+class _Serving:
+    request: GenRequest  # as the driver sent it (prefix included)
+    versions: list[tuple[int, int]]  # (version, first token index), ascending
+
+
+def engine_request(r: GenRequest) -> GenRequest:
+    """What the engine runs for `r`: with a prefix, prompt + prefix and the rest of its length."""
+    if not r.prefix_ids:
+        return r
+    n = len(r.prefix_ids)
+    return GenRequest(sample_id=r.sample_id, prompt_ids=[*r.prompt_ids, *r.prefix_ids],
+                      max_new_tokens=max(0, r.max_new_tokens - n), seed=int(r.seed) + RESUME_SEED_STRIDE * n,
+                      forced_length=None if r.forced_length is None else max(0, r.forced_length - n))
+
+
+def whole_result(r: GenRequest, res: GenResult, versions: list[tuple[int, int]]) -> GenResult:
+    """The engine's result of `engine_request(r)` with `r`'s prefix in front, its version the
+    oldest of its tokens and `versions` kept only when more than one made them."""
+    marks = _normal(versions)
+    return replace(res, response_ids=[*r.prefix_ids, *res.response_ids],
+                   logprobs=[*r.prefix_logprobs, *res.logprobs], version=marks[0][0],
+                   versions=tuple(marks) if len(marks) > 1 else ())
+
+
+def _normal(versions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Drop marks that change nothing (same version again, or superseded at the same index)."""
+    out: list[tuple[int, int]] = []
+    for v, i in versions:
+        if out and out[-1][1] == i:
+            out[-1] = (v, i)
+        elif not out or out[-1][0] != v:
+            out.append((v, i))
+    return out
+
+
+class ServeMixin:
+    """`DeviceWorker` methods for request-level rollout (attributes: `engine`, `cfg`, `device`)."""
+
+    def _served(self) -> dict[SampleId, _Serving]:
+        if getattr(self, "_serving", None) is None:
+            self._serving = {}
+        return self._serving
+
+    def serve(self, add: Sequence[GenRequest] = (), abort: Sequence[SampleId] = (), max_s: float = 0.2, *,
+              abort_all: bool = False, keep: bool = False) -> dict:
+        """See the module docstring. Returns results (finished), moved (requests to send
+        elsewhere, with `abort_all`), running (how many still run), t0, t1, device."""
+        for s in sorted({int(r.sample_id[0]) for r in add}):
+            self._maybe_fault("rollout", s)
+        self._pin_threads()
+        t0 = time.time()
+        serving = self._served()
+        moved = self._stop(list(serving) if abort_all else [tuple(a) for a in abort], keep)
+        if add:
+            version = int(self.engine.version)
+            for r in add:
+                start = list(r.prefix_versions) or [(version, 0)]
+                serving[tuple(r.sample_id)] = _Serving(request=r, versions=[*start, (version, len(r.prefix_ids))])
+            self.engine.add([engine_request(r) for r in add])
+        results: list[GenResult] = []
+        deadline = t0 + max(0.0, float(max_s))
+        while self.engine.has_unfinished() and not abort_all:
+            for res in self.engine.step():
+                s = serving.pop(tuple(res.sample_id))
+                results.append(whole_result(s.request, res, s.versions))
+            if results or time.time() >= deadline:
+                break
+        return {"results": results, "moved": moved, "running": len(serving), "t0": t0, "t1": time.time(),
+                "device": self.device}
+
+    def _stop(self, ids: list[SampleId], keep: bool) -> list[GenRequest]:
+        """Abort `ids`; the requests to send again (with their prefix when `keep`)."""
+        if not ids:
+            return []
+        serving = self._served()
+        made = self.engine.progress() if keep else {}
+        stopped = self.engine.abort(ids)
+        out = []
+        for sid in stopped:
+            s = serving.pop(tuple(sid))
+            r = s.request
+            if keep:
+                tokens, logprobs = made.get(tuple(sid), ([], []))
+                r = replace(r, prefix_ids=(*r.prefix_ids, *tokens), prefix_logprobs=(*r.prefix_logprobs, *logprobs),
+                            prefix_versions=tuple(_normal(s.versions)))
+            out.append(r)
+        return out
+
+    def _mark_version(self, version: int) -> None:
+        """The engine now holds `version`: each running request notes where its tokens switch."""
+        serving = self._served()
+        if not serving:
+            return
+        if not self.cfg.rollout.partial:
+            raise RuntimeError(f"device {self.device}: weights changed to version {version} under "
+                               f"{len(serving)} running requests without rollout.partial")
+        made = self.engine.progress()
+        for sid, s in serving.items():
+            s.versions.append((int(version), len(s.request.prefix_ids) + len(made.get(sid, ([], []))[0])))
+
+    def _forget_requests(self) -> int:
+        """The engine is released: its running requests go with it. How many there were."""
+        n = len(self._served())
+        self._serving = {}
+        return n
