@@ -1,6 +1,6 @@
 """The streaming pipeline (staleness >= 2): versions, the window, idle accounting, the two
-overlaps (accumulate, admit), partial rollout, drain resizes, the exact best-static sweep, and
-the shell's checks."""
+overlaps (accumulate, admit), partial rollout, resizes (rollout -> train migrates), the exact
+best-static sweep, and the shell's checks (migration itself: test_sim_migrate.py)."""
 
 from dataclasses import replace
 
@@ -131,13 +131,14 @@ def test_partial_rollout_records_version_ranges_within_the_bound(sc, stages, bou
     assert part.partial and part.summary()["partial"] is True
 
 
-def test_resizes_both_ways_drain_and_keep_every_step(sc, stages, bounds):
-    """train -> rollout after step 5, rollout -> train (drained) after step 15."""
+def test_resizes_both_ways_migrate_and_keep_every_step(sc, stages, bounds):
+    """train -> rollout after step 5, rollout -> train (migrated) after step 15."""
     pol = Scripted(((0, 10), (6, 12), (16, 8)))
     eng, res, rec = _engine(sc, stages, bounds, pol, 10)
     resizes = rec.of_kind("resize")
     assert [(len(r["from"]["rollout"]), len(r["to"]["rollout"])) for r in resizes] == [(10, 12), (12, 8)]
-    assert resizes[0]["drain_s"] == 0.0 and resizes[1]["drain_s"] >= 0.0
+    assert resizes[0]["drain_s"] == 0.0 and resizes[1]["drain_s"] == 0.0  # nothing waits for a request
+    assert "requests_moved" not in resizes[0] and resizes[1]["requests_moved"] == res.migrated_samples
     assert res.resizes == 2 and res.rollout_devices_final == 8
     steps = rec.of_kind("step")
     assert [s["step"] for s in steps] == list(range(K))
@@ -147,10 +148,11 @@ def test_resizes_both_ways_drain_and_keep_every_step(sc, stages, bounds):
     assert res.idle_device_s == pytest.approx(res.bubble_idle_device_s + res.resize_idle_device_s)
     # which weights generate a step's samples does not depend on the moves
     assert all(s["version"] == max(0, s["step"] - 2) for s in steps)
-    # the drained devices joined only after their last share ended: ops after the drain decision
+    # the migrated devices' ops run from the decision: their critical path ends critical_s later
     to_train = [o for o in rec.of_kind("op") if o["resize_id"] == resizes[1]["resize_id"]]
     decided = steps[15]["t_end_s"]
-    assert to_train and min(o["start_s"] for o in to_train) >= decided - 1e-9
+    assert to_train and min(o["start_s"] for o in to_train) == pytest.approx(decided)
+    assert max(o["end_s"] for o in to_train if o["critical"]) == pytest.approx(decided + resizes[1]["critical_s"])
 
 
 def test_stream_engine_needs_staleness_2(sc, stages, bounds):

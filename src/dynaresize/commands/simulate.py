@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-admit", dest="admit", action="store_false",
                    help="streaming only: a replica takes its next share only when its current one has ended "
                         "(default: it admits the next share of the same weight version while the last requests "
-                        "of its current one decode; the runtime does not do this yet: --no-admit models it)")
+                        "of its current one decode)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="policy.FIELD=VALUE",
                    help="override a policy setting, e.g. --set policy.enter_band=0.05 (repeatable)")

@@ -206,7 +206,13 @@ def publish_s(model: ModelPreset, num_train: int, hw: Hardware = Hardware()) -> 
 COMM_REUSE_S = 0.05  # switch to a cached, warm communicator (3.1: reuse/split <= 0.15 s) [D]
 GROUP_PREWARM_S = 0.15  # create one group off the critical path (3.1: ncclCommSplit 0.15 s)
 ROUTER_S = 0.01  # [A] a control-plane message
-DRAIN_AT_BOUNDARY_S = 0.05  # at a step boundary no request is in flight [A]
+# migrate_requests: abort the leaving engine's in-flight requests and re-queue them at the router
+# with their sample ids and seeds (with their prefix under partial rollout): two control-plane
+# messages (2 x ROUTER_S) and the end of the engine's current iteration (one decode step, ~8-30 ms
+# for 7B) [A]. At a one-step-off boundary nothing is in flight and only the messages remain. The
+# moved requests' re-prefill and decode are not here: they land on the receiving replicas as
+# rollout work (the streaming simulator times them there, `sim.stream_resize`).
+MIGRATE_S = 0.05
 FREE_TRAIN_MEMORY_S = 0.1  # [A]
 
 
@@ -238,7 +244,7 @@ OP_COSTS: dict[str, Callable[[ModelPreset, int, int, Hardware], tuple[float, flo
     "alloc_kv_cache": _fixed(lambda m: m.kv_alloc_s),
     "add_to_router": _fixed(lambda m: ROUTER_S),
     "stop_routing": _fixed(lambda m: ROUTER_S),
-    "migrate_requests": _fixed(lambda m: DRAIN_AT_BOUNDARY_S),
+    "migrate_requests": _fixed(lambda m: MIGRATE_S),
     "release_engine_memory": _fixed(lambda m: m.engine_release_s),
     "free_train_memory": _fixed(lambda m: FREE_TRAIN_MEMORY_S),
     "prewarm_groups": _fixed(lambda m: GROUP_PREWARM_S * 2),  # the two most likely next splits

@@ -189,28 +189,105 @@ class StageModel:
 
     def _chunk(self, b: int, lo: int, hi: int) -> ChunkTime:
         d = self.data(b)
-        L = d.L[lo:hi]
+        return self._chunk_of(d.L[lo:hi], d.work[lo:hi], float(d.work_cum[hi] - d.work_cum[lo]), d.slots)
+
+    def _chunk_of(self, L: np.ndarray, work: np.ndarray, work_sum: float, slots: int) -> ChunkTime:
+        """The chunk time of requests with `L` tokens left to decode and `work` per-request work."""
         m = int(L.size)
         if m == 0:
             return ChunkTime(time_s=0.0, serial_s=0.0, body_s=0.0, longest_tokens=0)
-        work = float(d.work_cum[hi] - d.work_cum[lo])
         top = int(np.argmax(L))
         l_max = float(L[top])
-        if m <= d.slots:
+        if m <= slots:
             steps = l_max
         else:
-            ends = np.zeros(d.slots)
-            for w in range(0, m, d.slots):
-                chunk = L[w:w + d.slots]
+            ends = np.zeros(slots)
+            for w in range(0, m, slots):
+                chunk = L[w:w + slots]
                 ends.sort()
                 ends[:chunk.size] += chunk
             steps = float(ends.max())
         serial = steps * self.c.t_weights
         l_2 = float(np.partition(L, m - 2)[m - 2]) if m >= 2 else 0.0
         tail_steps = min(l_max - l_2, steps)
-        tail = tail_steps * self.c.t_weights + float(d.work[lo + top]) * (tail_steps / l_max if l_max > 0 else 0.0)
-        return ChunkTime(time_s=serial + work, serial_s=serial, body_s=max(serial + work - tail, 0.0),
+        tail = tail_steps * self.c.t_weights + float(work[top]) * (tail_steps / l_max if l_max > 0 else 0.0)
+        return ChunkTime(time_s=serial + work_sum, serial_s=serial, body_s=max(serial + work_sum - tail, 0.0),
                          longest_tokens=int(l_max))
+
+    # ---------------------------------------------------------------- arbitrary positions (migration)
+
+    def chunk_at(self, b: int, positions, done_tokens=None) -> ChunkTime:
+        """Samples `positions` (batch indices, any order, not necessarily consecutive) of batch `b`
+        run together on one replica, admitted in the order given. `done_tokens[i]` (default 0) is
+        how many tokens of `positions[i]` were already generated elsewhere (a migrated request
+        resumed with its prefix): the replica re-prefills prompt + prefix and decodes only the
+        rest, so that sample costs `t_prefill * (P + D) + t_kv * ((P + D) R + R (R + 1) / 2) +
+        t_flop * R` plus R decode steps, R = L - D. Without a prefix a moved sample is decoded
+        from scratch (its seed belongs to the sample, so it gives the same tokens). For
+        consecutive positions lo..hi-1 and no prefix this is `chunk(b, lo, hi)`.
+        `longest_tokens` is the longest remaining decode."""
+        d = self.data(b)
+        R, work = self._left(d, positions, done_tokens)
+        return self._chunk_of(R, work, float(work.sum()), d.slots)
+
+    def finish_offsets(self, b: int, positions, done_tokens=None) -> np.ndarray:
+        """Seconds from the start of the chunk `chunk_at(b, positions, done_tokens)` to the last
+        token of each of its samples. Decode steps go in lock-step: each costs `t_weights` plus
+        what every request running in it costs (its prefill on its first step, then its KV reads
+        and compute), and a request admitted in a later wave (more requests than slots) starts at
+        the step its slot frees. The largest offset is the chunk's `time_s`."""
+        R, C, start = self._steps_of(b, positions, done_tokens)
+        return self._time_at_steps(start + R, R, C, start)
+
+    def tokens_after(self, b: int, positions, elapsed_s: float, done_tokens=None) -> np.ndarray:
+        """Tokens each sample of that chunk holds after `elapsed_s` seconds of its decoding
+        (prefix included): the decode steps completed by then, under the same lock-step model
+        as `finish_offsets`. What a migrated request keeps under partial rollout."""
+        R, C, start = self._steps_of(b, positions, done_tokens)
+        D = np.zeros(R.size) if done_tokens is None else np.asarray(done_tokens, dtype=np.float64)
+        lo, hi = 0, int((start + R).max()) if R.size else 0
+        while lo < hi:  # the largest step count whose time fits in elapsed_s (time grows with steps)
+            mid = (lo + hi + 1) // 2
+            if self._time_at_steps(np.array([float(mid)]), R, C, start)[0] <= elapsed_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return (D + np.clip(lo - start, 0.0, R)).astype(np.int64)
+
+    def _left(self, d: _BatchData, positions, done_tokens) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens left to decode and the work of each position (`chunk_at`)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if done_tokens is None:
+            return d.L[pos], d.work[pos]
+        D = np.asarray(done_tokens, dtype=np.float64)
+        R, C = d.L[pos] - D, d.batch.prompt_tokens[pos].astype(np.float64) + D
+        c = self.c
+        return R, c.t_kv * (C * R + R * (R + 1.0) / 2.0) + c.t_flop * R + c.t_prefill * C
+
+    def _steps_of(self, b: int, positions, done_tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens left R, context at admission C = P + D, first decode step) of each position:
+        the first `slots` start at step 0, each later wave fills the earliest-free slots (`_chunk`)."""
+        d = self.data(b)
+        pos = np.asarray(positions, dtype=np.int64)
+        D = np.zeros(pos.size) if done_tokens is None else np.asarray(done_tokens, dtype=np.float64)
+        R = d.L[pos] - D
+        C = d.batch.prompt_tokens[pos].astype(np.float64) + D
+        start = np.zeros(pos.size)
+        if pos.size > d.slots:
+            ends = np.zeros(d.slots)
+            for w in range(0, pos.size, d.slots):
+                ends.sort()
+                k = min(d.slots, pos.size - w)
+                start[w:w + k] = ends[:k]
+                ends[:k] += R[w:w + k]
+        return R, C, start
+
+    def _time_at_steps(self, s: np.ndarray, R: np.ndarray, C: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Seconds until each decode-step count in `s` is reached (`finish_offsets`)."""
+        c = self.c
+        x = np.clip(s[:, None] - start[None, :], 0.0, R[None, :])  # tokens each request has decoded
+        w = c.t_kv * (C * x + x * (x + 1.0) / 2.0) + c.t_flop * x + c.t_prefill * C * (x > 0)
+        return s * c.t_weights + w.sum(axis=1)
 
     def rollout(self, b: int, num_rollout: int) -> RolloutTime:
         key = (b, num_rollout)
@@ -248,6 +325,13 @@ class StageModel:
         d = self.data(b)
         return train_device_s(self.model, float(d.seq_cum[hi] - d.seq_cum[lo]),
                               float(d.seq_sq_cum[hi] - d.seq_sq_cum[lo]), self.hw)
+
+    def train_at_device_s(self, b: int, positions) -> float:
+        """`train_chunk_device_s` for arbitrary sample positions of batch `b` (a migrated chunk)."""
+        d = self.data(b)
+        pos = np.asarray(positions, dtype=np.int64)
+        seq = d.batch.prompt_tokens[pos].astype(np.float64) + d.L[pos]
+        return train_device_s(self.model, float(seq.sum()), float((seq * seq).sum()), self.hw)
 
     def train(self, b: int, num_train: int) -> TrainTime:
         key = (b, num_train)

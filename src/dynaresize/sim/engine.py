@@ -17,6 +17,9 @@ stage's last response is still decoding; *bubble* idle = the pool of the faster 
 for the slower one (and trainers during the prologue); *resize* idle = every device during a
 resize's critical path. Weight sync counts as work. `idle = tail + bubble + resize`.
 
+Resizes happen at the step boundary, where no request is in flight: a rollout -> train move's
+`migrate_requests` moves none (`requests_moved` 0) and costs its fixed control time.
+
 Pure except for the optional recorder (records.Recorder) the shell passes in.
 """
 
@@ -27,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dynaresize.control.controller import Controller, decision_fields
+from dynaresize.control.planner import MIGRATE_REQUESTS
 from dynaresize.control.state import Refusal
 from dynaresize.costmodel.scenarios import Scenario
 from dynaresize.costmodel.stages import StageModel
 from dynaresize.metrics import throughput_fields
 from dynaresize.sim.resize import ResizeTiming, lend_step, time_plan
-from dynaresize.types import Assignment, Bounds, ResizePlan, StepReport
+from dynaresize.types import TRAIN, Assignment, Bounds, ResizePlan, StepReport
 
 
 class EventQueue:
@@ -83,7 +87,7 @@ class PolicyResult:
     max_staleness: int = 0  # max over samples of consumed step - oldest version of its tokens
     mixed_version_samples: int = 0  # partial rollout: samples whose tokens span versions
     max_version_span: int = 0  # ... and the largest span (newest - oldest version)
-    drain_s: float = 0.0  # summed wait from a rollout -> train decision until its replicas were empty
+    migrated_samples: int = 0  # samples a rollout -> train move handed to the remaining replicas
 
     @property
     def samples_per_s(self) -> float:
@@ -110,7 +114,7 @@ class PolicyResult:
                 "rollout_wait_idle_fraction": self.rollout_wait_idle_device_s / denom,
                 "train_wait_idle_fraction": self.train_wait_idle_device_s / denom,
                 "max_staleness": self.max_staleness, "mixed_version_samples": self.mixed_version_samples,
-                "max_version_span": self.max_version_span, "drain_s": self.drain_s}
+                "max_version_span": self.max_version_span, "migrated_samples": self.migrated_samples}
 
 
 class _Null:
@@ -246,12 +250,15 @@ def _apply(cmd, ctl: Controller, res: PolicyResult, rec, now: float, model, k: i
         return None
     assert isinstance(cmd, ResizePlan)
     timing = time_plan(cmd, model, hw)
+    # At this boundary no request is in flight: migrate_requests moves none and costs only its
+    # control messages (costs.MIGRATE_S).
     for op in timing.ops:
+        moved = {"requests_moved": 0} if op.name == MIGRATE_REQUESTS else {}
         rec.emit("op", resize_id=cmd.resize_id, name=op.name, device=op.device, start_s=now + op.start_s,
-                 end_s=now + op.end_s, bytes=op.bytes, critical=op.critical)
+                 end_s=now + op.end_s, bytes=op.bytes, critical=op.critical, **moved)
     rec.emit("resize", resize_id=cmd.resize_id, step=k, **{"from": cmd.src.to_json(), "to": cmd.dst.to_json()},
              moving=list(cmd.moving), to_role=cmd.to_role, critical_s=timing.critical_s, total_s=timing.total_s,
-             bytes=timing.bytes_moved, reason=cmd.reason)
+             bytes=timing.bytes_moved, reason=cmd.reason, **({"requests_moved": 0} if cmd.to_role == TRAIN else {}))
     ctl.on_resize_done(cmd.resize_id, timing.critical_s, timing.total_s)
     res.resizes += 1
     res.resize_critical_s += timing.critical_s

@@ -28,7 +28,7 @@ from dynaresize.control.planner import MOVE_OPTIMIZER_SHARDS, RECEIVE_OPTIMIZER_
 from dynaresize.costmodel.costs import Hardware, ModelPreset, op_cost
 from dynaresize.types import ROLLOUT, TRAIN, ResizePlan
 
-MIGRATE_S = 1.0  # re-prefill of migrated requests (docs/references.md 3.4: RollPacker migration <= 3 s)
+LEND_MIGRATE_S = 1.0  # lending: re-prefill of the work moved to lenders (docs/references.md 3.4: RollPacker migration <= 3 s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +137,7 @@ def lend_step(replica_times: np.ndarray, replica_serial_s: np.ndarray, train_s: 
     # Progress is taken as linear in time: the serial share of what is left stays on the replica.
     serial_left = left * np.where(replica_times > 0, replica_serial_s / np.maximum(replica_times, 1e-12), 0.0)
     movable = float((left - serial_left).sum())
-    fluid_end = t_avail + MIGRATE_S + movable / (replica_times.size + lender_reps)
+    fluid_end = t_avail + LEND_MIGRATE_S + movable / (replica_times.size + lender_reps)
     end = max(fluid_end, t_avail + float(serial_left.max()))
     if end + switch_out >= t_roll:  # lending would not end the step sooner
         return none

@@ -44,19 +44,30 @@ Resizes (same controller, plans and op costs as `sim.engine`; `sim.stream_resize
   stall until the parameter shards have moved (the plan's chain up to move_param_shards); the
   moving devices become a replica once the plan's critical path has run; the optimizer shards
   must arrive before the next optimizer step (else that training step waits).
-- rollout -> train: DRAIN (chosen over migrate). The moving replicas get no new chunk (stop
-  routing) and finish the chunk they run (useful work); once no request is in flight on them
-  (partial tails included) they release their engines and join the trainers at the next
-  training boundary, where all trainers stall for join_train_group + receive_param_shards.
-  Migrating would re-prefill the moved requests elsewhere (docs/references.md 3.4: <= 3 s) and throw
-  away their decoded KV; a drain costs only the time the drained devices wait for the boundary.
-  The policy is told the measured cost of a move as the resize idle it caused, in seconds of
-  the whole cluster (device-seconds / devices), the same unit as a lock-step stall.
+- rollout -> train: MIGRATE, at the same boundary. The moving replicas stop at the decision:
+  the samples of their in-flight chunks (partial tails included) that have not finished by then
+  go back to the front of their step's dispatch queue (same step, so same weight version) and
+  the remaining replicas run them; the samples already finished count as done. Without partial
+  rollout a moved sample is decoded again from scratch (its seed belongs to the sample: same
+  tokens); with it, it resumes with its prefix (the receiving replica re-prefills prompt +
+  prefix and decodes the rest; `StageModel.chunk_at`). The moving devices then run the plan's
+  critical path (stop_routing, migrate_requests, release_engine_memory, join_train_group,
+  receive_param_shards) while the trainers, free at the boundary, stall for it; the next
+  training step runs with them. The moved work is rollout work on the receiving replicas, not
+  part of the move's cost; the resize record counts it (`requests_moved`), the run too
+  (`migrated_samples`). `sim.stream_resize` says how a sample's finish time inside a chunk is
+  modelled. The policy is told the measured cost of a move as the resize idle it caused, in
+  seconds of the whole cluster (device-seconds / devices), the same unit as a lock-step stall.
+  `migrate=False` keeps the drain of earlier builds as the baseline (`sim.stream_resize`).
+
+Ledger: every sample of every step is generated exactly once (a sample cut by a migration is
+counted when it finishes on its new replica); the engine counts each step's samples as they
+finish and raises at the step's end if one is missing or doubled.
 
 Idle accounting (`sim.stream_report`), device-seconds, the documented definition (weight sync counts as work):
 *bubble* = rollout devices with no chunk to run (the window is full: they wait for weights)
 plus trainers waiting for a step's chunks (and for step 0); *resize* = devices on a resize's
-critical path, trainers stalled by it, drained devices waiting to join; no *tail* idle (a
+critical path, trainers stalled by it; no *tail* idle (a
 replica decoding one long request is busy, as in `sim.engine`). A replica's busy time is the
 union of what runs on it (a chunk admitted under a tail is not counted twice). idle = bubble +
 resize and busy + idle = devices x total time (a unit test checks it in every mode).
@@ -68,15 +79,17 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import numpy as np
 
 from dynaresize.control.controller import Controller
 from dynaresize.costmodel.scenarios import Scenario
 from dynaresize.costmodel.stages import StageModel
 from dynaresize.sim.engine import PolicyResult, _Null
 from dynaresize.sim.stream_report import StreamAccounting
-from dynaresize.sim.stream_resize import StreamResizes, _Drain
+from dynaresize.sim.stream_resize import StreamResizes, _Work
 from dynaresize.sim.stream_train import StreamTraining
 from dynaresize.types import Assignment, Bounds
 
@@ -92,9 +105,11 @@ class _Rep:
     version: int = -1  # weights it holds (-1: none yet)
     running: bool = False  # a chunk's body (without partial: the whole chunk) is running
     tails: int = 0  # partial: chunks whose longest request still decodes here
-    draining: bool = False
+    gone: bool = False  # it left for training (its pending events are void)
+    draining: bool = False  # migrate=False: it takes no new chunk
     idle_since: float | None = 0.0
     busy_until: float = 0.0  # the last end of anything it runs (a share or a tail under it)
+    chunks: list = field(default_factory=list)  # its chunks in flight (the running one and tails)
 
 
 @dataclass(eq=False)
@@ -106,6 +121,17 @@ class _Chunk:
     lo: int = 0
     hi: int = 0
     token: int = 0
+    positions: np.ndarray | None = None  # a chunk with migrated samples: its batch positions (else lo..hi-1)
+    done: np.ndarray | None = None  # partial: tokens each position already had (its re-prefilled prefix)
+    start_s: float = 0.0  # dispatched (its pull, if any, runs first)
+    t0: float = 0.0  # its decoding starts
+    pauses: list = field(default_factory=list)  # partial: (at, seconds) pulls its tail waited for
+    carry_dev_s: float = 0.0  # accumulate: training compute of a cut chunk's finished samples it brings
+    work_s: float = 0.0  # what it added to its step's work_s / serial_s (a cut takes back the unrun part)
+    serial_s: float = 0.0
+
+    def sample_positions(self) -> np.ndarray:
+        return self.positions if self.positions is not None else np.arange(self.lo, self.hi)
 
 
 @dataclass(eq=False)
@@ -117,6 +143,9 @@ class _Step:
     slots: int
     next: int = 0  # next sample to dispatch
     left: int = 0  # chunks dispatched and not yet ended
+    returned: deque = field(default_factory=deque)  # _Work handed back by a migration, dispatched first
+    num_returned: int = 0  # samples in `returned`
+    generated: np.ndarray | None = None  # ledger: times each sample has finished (must end all ones)
     chunks: int = 0
     done_s: float | None = None
     work_s: float = 0.0
@@ -127,6 +156,8 @@ class _Step:
     backlog: float = 0.0  # accumulate: training device-seconds of ended chunks the trainers have not taken
     last_train_dev_s: float = 0.0  # accumulate: training device-seconds of the chunk that ended last
 
+    def to_dispatch(self) -> int:
+        return self.num_samples - self.next + self.num_returned
 
 
 class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
@@ -134,7 +165,8 @@ class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
 
     def __init__(self, scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *, start_rollout: int,
                  staleness: int, partial: bool = False, accumulate: bool = True, admit: bool = True,
-                 reversal_window: int = 0, recorder=None, on_step: Callable[[int], None] | None = None) -> None:
+                 reversal_window: int = 0, recorder=None, on_step: Callable[[int], None] | None = None,
+                 migrate: bool = True) -> None:
         if staleness < 2:
             raise ValueError(f"staleness={staleness}: the streaming engine needs >= 2 (1 is sim.engine)")
         self.sc, self.stages, self.eta, self.partial = scenario, stages, int(staleness), bool(partial)
@@ -154,7 +186,6 @@ class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
         self._heap: list = []
         self._seq = 0
         self.reps: dict[int, _Rep] = {rid: _Rep(rid) for rid in range(0, start_rollout, self.tp)}
-        self.active_reps = len(self.reps)  # replicas taking work (not draining)
         self.num_train = self.N - start_rollout
         self.steps: dict[int, _Step] = {}
         self.queue: deque[_Step] = deque()
@@ -164,7 +195,8 @@ class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
         self.stall_until = 0.0
         self.trainer_idle_since: float | None = 0.0
         self.opt_ready: float | None = None
-        self.drain: _Drain | None = None
+        self.migrate = bool(migrate)
+        self.drain = None  # migrate=False: the rollout -> train move waiting for its replicas to empty
         self.measured_cost: float | None = None
         self.train_start: dict[int, tuple[float, int]] = {}
         self.train_dur: dict[int, float] = {}
@@ -204,6 +236,7 @@ class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
         st = _Step(k=k, version=rollout_version(k, self.eta), released_s=now,
                    num_samples=self.stages.batch(k).num_samples, slots=self.stages.slots(k))
         st.version_max = st.version
+        st.generated = np.zeros(st.num_samples, dtype=np.int32)
         self.steps[k] = st
         self.queue.append(st)
 
@@ -214,31 +247,36 @@ class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
         if not free:
             return
         free.sort(key=lambda r: r.rid)
+        active = len(self.reps) - (len(self.drain.waiting) if self.drain is not None else 0)
         while free and self.queue:
             st = self.queue[0]
-            share = min(st.slots, -(-st.num_samples // max(self.active_reps, 1)))
+            share = min(st.slots, -(-st.num_samples // max(active, 1)))
             ready = [r for r in free if r.version == st.version]  # no pull needed: served first
             # A replica still decoding tails (admit) takes only a share of the version it holds.
             order = ready + [r for r in free if r.version != st.version and (self.partial or not r.tails)]
             used = 0
             for rep in order:
-                if st.next >= st.num_samples:
+                if st.to_dispatch() <= 0:
                     break
-                self.start_chunk(rep, st, now, min(share, st.num_samples - st.next))
+                self.start_chunk(rep, st, now, min(share, st.to_dispatch()))
                 used += 1
-            if used == 0 and st.next < st.num_samples:
+            if used == 0 and st.to_dispatch() > 0:
                 break  # the free replicas still decode another version's tails
             free = order[used:] + [r for r in free if r not in order]
             free.sort(key=lambda r: r.rid)
-            if st.next >= st.num_samples:
+            if st.to_dispatch() <= 0:
                 self.queue.popleft()
 
     def start_chunk(self, rep: _Rep, st: _Step, now: float, m: int) -> None:
+        positions, done, vmax, carry = self._take(st, m)
         lo = st.next
-        st.next += m
+        if positions is None:
+            st.next += m
+            ch = self.stages.chunk(st.k, lo, lo + m)
+        else:
+            ch = self.stages.chunk_at(st.k, positions, done)
         st.left += 1
         st.chunks += 1
-        ch = self.stages.chunk(st.k, lo, lo + m)
         pull = self.pull_s if rep.version != st.version else 0.0
         if rep.idle_since is not None:
             self.rollout_wait += (now - rep.idle_since) * self.tp
@@ -247,6 +285,7 @@ class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
             for c in self.tails[rep.rid]:
                 c.end_s += pull
                 c.token += 1
+                c.pauses.append((now, pull))
                 c.version_max = max(c.version_max, st.version)
                 self.push(c.end_s, "chunk_end", (c, c.token))
         rep.version = st.version
@@ -261,11 +300,15 @@ class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
         hidden = max(0.0, min(end, rep.busy_until) - now) if rep.tails else 0.0
         self.rollout_work += max(0.0, max(ends) - max(now, rep.busy_until)) * self.tp
         rep.busy_until = max([rep.busy_until] + ends)
-        st.work_s += (time_s - hidden) * self.tp
-        st.serial_s += max(ch.serial_s - hidden, 0.0) * self.tp
+        work_s, serial_s = (time_s - hidden) * self.tp, max(ch.serial_s - hidden, 0.0) * self.tp
+        st.work_s += work_s
+        st.serial_s += serial_s
         st.sync_s += pull * self.tp
-        c = _Chunk(step=st.k, rep=rep, end_s=end, version_max=st.version, lo=lo, hi=lo + m)
+        c = _Chunk(step=st.k, rep=rep, end_s=end, version_max=max(st.version, vmax), lo=lo,
+                   hi=lo + (m if positions is None else 0), positions=positions, done=done, start_s=now, t0=t0,
+                   carry_dev_s=carry, work_s=work_s, serial_s=serial_s)
         rep.running = True
+        rep.chunks.append(c)
         if self.admit and end > body_end + 1e-9:
             rep.tails += 1
             self.tails.setdefault(rep.rid, []).append(c)
@@ -275,11 +318,15 @@ class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
             self.push(end, "done", (c, c.token))
 
     def on_done(self, now: float, data) -> None:
-        c, _ = data
+        c, token = data
+        if token != c.token:
+            return  # cut by a migration
         self._chunk_ended(c, now)
         self.on_free(now, c.rep)
 
     def on_free(self, now: float, rep: _Rep) -> None:
+        if rep.gone:
+            return  # it left for training
         rep.running = False
         if rep.tails == 0:
             rep.idle_since = now
@@ -291,7 +338,7 @@ class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
     def on_chunk_end(self, now: float, data) -> None:
         c, token = data
         if token != c.token:
-            return  # re-timed by a pull's pause
+            return  # re-timed by a pull's pause, or cut by a migration
         rep = c.rep
         rep.tails -= 1
         self.tails[rep.rid].remove(c)
@@ -306,33 +353,47 @@ class StreamEngine(StreamTraining, StreamResizes, StreamAccounting):
     def _chunk_ended(self, c: _Chunk, now: float) -> None:
         st = self.steps[c.step]
         st.left -= 1
+        c.rep.chunks.remove(c)
+        if c.positions is None:
+            st.generated[c.lo:c.hi] += 1
+        else:
+            np.add.at(st.generated, c.positions, 1)
         if c.version_max > st.version:
             st.mixed += 1
             st.version_max = max(st.version_max, c.version_max)
         if self.accumulate:
-            w = self.stages.train_chunk_device_s(c.step, c.lo, c.hi)
-            st.last_train_dev_s = w
-            if self.tr_step == c.step:
-                self._feed(c.step, w, now)
-            else:
-                st.backlog += w
-        if st.left == 0 and st.next >= st.num_samples:
+            w = (self.stages.train_chunk_device_s(c.step, c.lo, c.hi) if c.positions is None
+                 else self.stages.train_at_device_s(c.step, c.positions)) + c.carry_dev_s
+            self._train_input(st, w, now)
+        self._maybe_done(st, now)
+
+    def _train_input(self, st: _Step, w: float, now: float) -> None:
+        """Accumulate: `w` device-seconds of step st's training compute are ready now."""
+        st.last_train_dev_s = w
+        if self.tr_step == st.k:
+            self._feed(st.k, w, now)
+        else:
+            st.backlog += w
+
+    def _maybe_done(self, st: _Step, now: float) -> None:
+        if st.left == 0 and st.to_dispatch() <= 0:
+            if not (st.generated == 1).all():  # the ledger: each sample finished exactly once
+                raise RuntimeError(f"step {st.k}: samples generated {sorted(set(st.generated.tolist()))} times (a bug)")
             st.done_s = now
-            if self.accumulate and self.tr_step == c.step:
-                self._finish_train(c.step, now)
+            if self.accumulate and self.tr_step == st.k:
+                self._finish_train(st.k, now)
             else:
                 self.try_train(now)
 
     def add_replica(self, rid: int, now: float) -> None:
         """A device (group of tp devices) joined the rollout pool: a replica taking work from now."""
         self.reps[rid] = _Rep(rid=rid, idle_since=now)
-        self.active_reps += 1
 
 
 def run_stream(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *, start_rollout: int, staleness: int,
                partial: bool = False, accumulate: bool = True, admit: bool = True, reversal_window: int = 0,
-               recorder=None, on_step: Callable[[int], None] | None = None) -> PolicyResult:
+               recorder=None, on_step: Callable[[int], None] | None = None, migrate: bool = True) -> PolicyResult:
     """Simulate one policy on the streaming pipeline (see the module docstring)."""
     return StreamEngine(scenario, stages, policy, bounds, start_rollout=start_rollout, staleness=staleness,
                         partial=partial, accumulate=accumulate, admit=admit, reversal_window=reversal_window,
-                        recorder=recorder, on_step=on_step).run()
+                        recorder=recorder, on_step=on_step, migrate=migrate).run()

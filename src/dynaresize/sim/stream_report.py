@@ -2,8 +2,9 @@
 
 Idle, device-seconds (weight sync counts as work): *bubble* = rollout devices with no chunk to
 run plus trainers waiting for a step's chunks (and for step 0); *resize* = devices on a resize's
-critical path, trainers stalled by it, drained devices waiting to join; no *tail* idle. A
-replica's busy time is the union of what runs on it, so busy + idle = devices x total time.
+critical path and trainers stalled by it (migrate=False: drained devices waiting to join); no
+*tail* idle. A replica's busy time is the union of what runs on it, so busy + idle = devices x
+total time.
 Each step's report is what the controller (and the streaming throughput model) reads.
 
 A mixin of `StreamEngine`: it reads the engine's replicas, trainers, steps and counters.
@@ -26,9 +27,7 @@ class StreamAccounting:
                 idle += (now - r.idle_since) * self.tp
         if self.trainer_idle_since is not None and now > self.trainer_idle_since:
             idle += (now - self.trainer_idle_since) * self.num_train
-        if self.drain is not None:
-            idle += sum((now - t) * self.tp for t in self.drain.drained_s.values())
-        return idle
+        return idle + self.drained_idle(now)
 
     def account(self, k: int, now: float) -> StepReport:
         st = self.steps[k]
@@ -78,8 +77,7 @@ class StreamAccounting:
         if self.on_step is not None:
             self.on_step(self.K - 1)
         res = self.res
-        if self.drain is not None:  # drained devices that never reached a training boundary
-            self.resize_idle += sum((now - t) * self.tp for t in self.drain.drained_s.values())
+        self.resize_idle += self.drained_idle(now)  # migrate=False: drained devices that never joined
         for r in self.reps.values():
             if r.idle_since is not None:
                 self.rollout_wait += (now - r.idle_since) * self.tp

@@ -26,7 +26,7 @@ class StreamTraining:
         if now < self.stall_until - 1e-12:
             self.push(self.stall_until, "try_train")
             return
-        d = self.drain
+        d = self.drain  # migrate=False: drained devices join at this boundary
         if d is not None and d.ready_s is not None and d.ready_s <= now + 1e-12:
             self.apply_join(now)
             return
