@@ -52,8 +52,10 @@ def _coerce(tp: Any, value: Any, path: str, err: _Errors) -> Any:
         return {str(k): _coerce(typing.get_args(tp)[1], v, f"{path}.{k}", err) for k, v in value.items()}
     if origin is tuple:
         args = typing.get_args(tp)
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v] if args[-1] is Ellipsis and args[0] is str else value
+        if isinstance(value, str):  # "a,b" from --set is a list of any item type ("2,4,6": policy.allowed_rollout)
+            value = [v for v in value.split(",") if v.strip()] if args[-1] is Ellipsis else value
+        elif args[-1] is Ellipsis and isinstance(value, int) and not isinstance(value, bool):
+            value = [value]  # --set policy.allowed_rollout=4 (YAML reads a lone number)
         if not isinstance(value, (list, tuple)):
             err.add(path, value, "must be a list")
             return None

@@ -65,22 +65,24 @@ class Assignment:
 
 @dataclass(frozen=True, kw_only=True)
 class Bounds:
-    """Limits every policy obeys: minimum devices per role and the move unit.
+    """Limits every policy obeys: minimum devices per role, the move unit, and optionally a
+    fixed set of predefined splits.
 
     `move_unit` is the granularity of a move (for example the rollout tensor-parallel size):
-    the rollout pool is always a multiple of it.
+    the rollout pool is always a multiple of it. `allowed_rollout`, when not empty, lists the
+    only rollout-pool sizes a run may hold (the predefined Train:Rollout configurations of
+    systems that switch among a few, e.g. (2, 4, 6) on 8 devices); every other bound still
+    applies to them, so a listed size that breaks one is not legal either.
     """
 
     num_devices: int
     min_rollout: int = 1
     min_train: int = 1
     move_unit: int = 1
+    allowed_rollout: tuple[int, ...] = ()
 
     def allowed(self, num_rollout: int) -> bool:
-        return (
-            self.min_rollout <= num_rollout <= self.num_devices - self.min_train
-            and num_rollout % self.move_unit == 0
-        )
+        return self.why_not(num_rollout) is None
 
     def splits(self) -> tuple[int, ...]:
         """Every legal rollout-pool size, ascending."""
@@ -94,6 +96,9 @@ class Bounds:
             return f"train pool {self.num_devices - num_rollout} < min_train {self.min_train}"
         if num_rollout % self.move_unit:
             return f"rollout pool {num_rollout} is not a multiple of move_unit {self.move_unit}"
+        if self.allowed_rollout and num_rollout not in self.allowed_rollout:
+            return (f"rollout pool {num_rollout} is not one of the predefined splits allowed_rollout="
+                    f"{','.join(map(str, self.allowed_rollout))}")
         return None
 
     def nearest(self, num_rollout: float) -> int:

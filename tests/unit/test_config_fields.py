@@ -916,6 +916,8 @@ EVIDENCE: dict[str, tuple] = {
     "policy.cost_margin": (Probe(20.0, _decisions, base=POLICY_BASE),),
     "policy.greedy_threshold": (Probe(3.0, _decisions, base=merge(POLICY_BASE, {"policy": {"name": "greedy"}})),),
     "policy.move_cost_prior_s": (Probe(100.0, _decisions, base=POLICY_BASE),),
+    "policy.allowed_rollout": (Probe((2, 4), _decisions, base=POLICY_BASE),
+                               Refused((4, 2), "policy.allowed_rollout")),
     "reshard.staging_bytes": (Probe(4096, _reshard),
                               Runtime("tests/dist/test_bench_resize.py::test_bench_resize_end_to_end",
                                       "for each configured bound the resizes' peak staging stays within it")),

@@ -13,7 +13,7 @@ from dynaresize.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from dynaresize.costmodel.costs import MODEL_PRESETS
+    from dynaresize.costmodel.costs import HARDWARE_PRESETS, MODEL_PRESETS
     from dynaresize.sim.shell import DEFAULT_POLICIES, STREAM_DEFAULT_POLICIES
     from dynaresize.workload.lengths import WORKLOADS
 
@@ -31,6 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a named workload's time constants (drift, cap raise) span N steps instead of its own "
                         "(300 for the calibrated ones); like rollout.length_horizon_steps on real runs")
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="7b", help="model preset (default 7b)")
+    p.add_argument("--accelerator", choices=sorted(HARDWARE_PRESETS), default="h100",
+                   help="the accelerator every device is (default h100)")
+    p.add_argument("--prompts-per-step", type=int, default=None, metavar="P",
+                   help="a named workload's batch in prompts of 16 samples (default: the workload's own, e.g. "
+                        "dapo-qwen3-8b's 32, else 2 per device)")
     p.add_argument("--policies", default=None,
                    help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)}; with --staleness >= 2 "
                         f"{','.join(STREAM_DEFAULT_POLICIES)}; also static:R, scripted)")
@@ -85,13 +90,18 @@ def main(args: argparse.Namespace) -> int:
                                                                       if args.trace else "must be >= 1")])
     if args.trace:
         batches = load_trace(args.trace)
+        if args.prompts_per_step is not None:
+            raise ConfigError([f"prompts-per-step={args.prompts_per_step}: a trace's batch is its own"])
         scenario = trace_scenario(batches, args.trace, num_devices=args.devices, num_steps=args.steps,
-                                  model=args.model, seed=args.seed)
+                                  model=args.model, seed=args.seed, accelerator=args.accelerator)
         if args.steps is not None and args.steps > len(batches):
             print(f"dynaresize: note: the trace has {len(batches)} steps; simulating {len(batches)}", file=sys.stderr)
     else:
+        if args.prompts_per_step is not None and args.prompts_per_step < 1:
+            raise ConfigError([f"prompts-per-step={args.prompts_per_step}: must be >= 1"])
         scenario = workload_scenario(args.workload, num_devices=args.devices, num_steps=args.steps or 300,
-                                     model=args.model, seed=args.seed, horizon_steps=args.horizon_steps)
+                                     model=args.model, seed=args.seed, horizon_steps=args.horizon_steps,
+                                     prompts_per_step=args.prompts_per_step, accelerator=args.accelerator)
     progress = not args.quiet and sys.stderr.isatty()
     doc = simulate(scenario, policies, cfg, staleness=args.staleness, partial=args.partial,
                    accumulate=args.accumulate, admit=args.admit, out_dir=args.out,

@@ -44,6 +44,9 @@ class Hardware:
     nic_bw: float = 47 * GB  # NCCL over one NDR NIC: 46-48 GB/s (5, [V])
     pcie_h2d_bw: float = 35 * GB  # nvbandwidth H2D (5, [V])
     pcie_d2h_bw: float = 53 * GB  # nvbandwidth D2H (5, [V])
+    # NVLink 4 per direction (900 GB/s bidirectional, 5 [V]). Recorded, not read by the op costs:
+    # they send shards over the NIC, the path between nodes (within one node, an upper bound).
+    nvlink_bw: float = 450 * GB
     devices_per_node: int = 8
 
 
@@ -60,7 +63,13 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     # datasheet [S]): 25 GB/s nominal, 23.5 achieved [D]; PCIe 32 x 35/63 = 17.8 H2D, 32 x 53/63
     # = 26.9 D2H [D].
     "a100": Hardware(name="a100", hbm_bytes=80 * GB, hbm_bw=2.039e12, peak_flops=312e12, nic_bw=23.5 * GB,
-                     pcie_h2d_bw=17.8 * GB, pcie_d2h_bw=26.9 * GB),
+                     pcie_h2d_bw=17.8 * GB, pcie_d2h_bw=26.9 * GB, nvlink_bw=300 * GB),
+    # H20 (HGX H20, the paper's part, arXiv 2607.22614): 96 GB HBM3 at 4.0 TB/s; 148 TFLOPS FP16/BF16
+    # dense (296 FP8); NVLink 4 at 900 GB/s bidirectional; PCIe Gen5 x16 (NVIDIA's HGX H20
+    # figures as published in secondary sources [S]: NVIDIA's own datasheet was not readable here).
+    # NIC: one 400 Gb/s NDR port per GPU as in HGX H100 systems [A] (47 GB/s achieved, 5 [V]);
+    # PCIe achieved rates as the H100's (same Gen5 x16 link, 5 [V]).
+    "h20": Hardware(name="h20", hbm_bytes=96 * GB, hbm_bw=4.0e12, peak_flops=148e12),
 }
 
 
@@ -81,6 +90,8 @@ class ModelPreset:
     hidden_size: int
     num_kv_heads: int
     head_dim: int = 128
+    num_heads: int = 0  # attention (query) heads; 0: not recorded (only the KV heads size the cache)
+    vocab_size: int = 0  # 0: not recorded (num_params already counts the embeddings)
     rollout_tp: int = 1  # devices per rollout replica = the move unit (5: TP1 / TP2 / TP4)
     decode_eff: float = 1.7  # real TPOT is 1.5-2x the weight-read bound (5, [D])
     mfu_decode: float = 0.5  # [A] compute efficiency of a decode batch
@@ -132,7 +143,19 @@ def _preset_70b() -> ModelPreset:
                        engine_release_s=2.0, engine_cold_start_s=200.0)
 
 
-MODEL_PRESETS = {"7b": _preset_7b, "32b": _preset_32b, "70b": _preset_70b}
+def _preset_qwen3_8b() -> ModelPreset:
+    # Qwen3-8B, the paper's model (arXiv 2607.22614). From its Hugging Face config.json (Qwen/Qwen3-8B
+    # [V], as copied in public code): hidden_size 4096, num_hidden_layers 36, num_attention_heads 32,
+    # num_key_value_heads 8, head_dim 128, vocab_size 151936, intermediate_size 12288, untied embeddings.
+    # Parameters 8.19e9 [D] from those (2 x 151936 x 4096 embedding + 36 x 192.9e6 per layer); the
+    # model card says 8.2B (6.95B without embeddings). Rollout TP1: verl's Qwen3-8B DAPO recipe runs
+    # gen_tp=1 (recipe/dapo/test_dapo_8b_megatron_fp16.sh). Engine and communication times as the 7b's [A].
+    return ModelPreset(name="qwen3-8b", num_params=8.19e9, num_layers=36, hidden_size=4096, num_kv_heads=8,
+                       head_dim=128, num_heads=32, vocab_size=151936, rollout_tp=1, train_comm_s=1.0,
+                       engine_wake_s=0.5, kv_alloc_s=0.3, engine_release_s=0.5, engine_cold_start_s=40.0)
+
+
+MODEL_PRESETS = {"7b": _preset_7b, "32b": _preset_32b, "70b": _preset_70b, "qwen3-8b": _preset_qwen3_8b}
 
 
 def get_model(name: str) -> ModelPreset:

@@ -1,11 +1,13 @@
 """A simulation scenario: the workload (named model or trace), the cluster, the model preset.
 
-Batch size: `prompts_per_step` defaults to 2 prompts x 16 samples per device, i.e. 32 samples
+Batch size: `prompts_per_step` defaults to the workload's own batch where it names one (the
+`dapo-qwen3-8b` recipe's 32 prompts), else 2 prompts x 16 samples per device, i.e. 32 samples
 per device and step (RollPacker's Qwen2.5-14B setting: 128 prompts x 8 samples on 32 GPUs,
 docs/references.md 2.1). It does not change with the split: RL semantics fix the batch.
 
 Bounds: min_rollout = one replica (tp devices), move unit = tp, min_train = the memory floor of
-the training state (`costs.min_train_devices`), never below the user's PolicyConfig values.
+the training state (`costs.min_train_devices`), never below the user's PolicyConfig values;
+`PolicyConfig.allowed_rollout` (predefined splits) passes through.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from dynaresize.config import PolicyConfig
-from dynaresize.costmodel.costs import Hardware, ModelPreset, get_model, min_train_devices
+from dynaresize.costmodel.costs import Hardware, ModelPreset, get_hardware, get_model, min_train_devices
 from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.errors import ConfigError
 from dynaresize.types import Bounds
@@ -54,7 +56,8 @@ class Scenario:
         min_rollout = max(cfg.min_rollout, tp)
         min_rollout = -(-min_rollout // unit) * unit
         b = Bounds(num_devices=self.num_devices, min_rollout=min_rollout,
-                   min_train=max(cfg.min_train, min_train_devices(self.model, self.hardware)), move_unit=unit)
+                   min_train=max(cfg.min_train, min_train_devices(self.model, self.hardware)), move_unit=unit,
+                   allowed_rollout=tuple(cfg.allowed_rollout))
         if not b.splits():
             raise ConfigError([f"devices={self.num_devices}: too few for model {self.model.name} "
                                f"(rollout needs >= {b.min_rollout}, training >= {b.min_train})"])
@@ -67,29 +70,31 @@ class Scenario:
 
 
 def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model: str = "7b", seed: int = 0,
-                      prompts_per_step: int | None = None, horizon_steps: int | None = None) -> Scenario:
-    """The named workload's job on `num_devices` (2 prompts x 16 samples per device unless
-    `prompts_per_step`), its time constants over `horizon_steps` (None: the workload's own)."""
-    get_workload(workload)  # an unknown name is a ConfigError before anything runs
+                      prompts_per_step: int | None = None, horizon_steps: int | None = None,
+                      accelerator: str = "h100") -> Scenario:
+    """The named workload's job on `num_devices` (`prompts_per_step` x 16 samples; by default the
+    workload's own batch where it names one, else 2 prompts per device), its time constants over
+    `horizon_steps` (None: the workload's own), on `accelerator` (a `HARDWARE_PRESETS` name)."""
+    spec = get_workload(workload)  # an unknown name is a ConfigError before anything runs
     _check(num_devices, num_steps)
-    prompts = prompts_per_step or PROMPTS_PER_DEVICE * num_devices
+    prompts = prompts_per_step or spec.prompts_per_step or PROMPTS_PER_DEVICE * num_devices
 
     def batch_of(b: int) -> Batch:  # the runtime's emulator calls the same function (emulate/model.py)
         return batch_for_step(workload, b, prompts * SAMPLES_PER_PROMPT, seed, samples_per_prompt=SAMPLES_PER_PROMPT,
                               horizon_steps=horizon_steps)
 
     return Scenario(name=workload, num_devices=num_devices, num_steps=num_steps, model=get_model(model), seed=seed,
-                    prompts_per_step=prompts, batch_of=batch_of)
+                    prompts_per_step=prompts, batch_of=batch_of, hardware=get_hardware(accelerator))
 
 
 def trace_scenario(batches: list[Batch], name: str, *, num_devices: int, num_steps: int | None, model: str = "7b",
-                   seed: int = 0) -> Scenario:
+                   seed: int = 0, accelerator: str = "h100") -> Scenario:
     steps = len(batches) if num_steps is None else min(num_steps, len(batches))
     _check(num_devices, steps)
     mean_samples = int(round(np.mean([b.num_samples for b in batches[:steps]])))
     return Scenario(name=name, num_devices=num_devices, num_steps=steps, model=get_model(model), seed=seed,
                     prompts_per_step=max(mean_samples, 1), samples_per_prompt=1, batch_of=lambda b: batches[b],
-                    trace_samples=sum(b.num_samples for b in batches[:steps]))
+                    trace_samples=sum(b.num_samples for b in batches[:steps]), hardware=get_hardware(accelerator))
 
 
 def _check(num_devices: int, num_steps: int) -> None:

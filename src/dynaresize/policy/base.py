@@ -50,7 +50,8 @@ def make_policy(cfg: PolicyConfig, bounds: Bounds, *, num_steps: int | None = No
     `simulator=True` allows the simulator-only `lend`; `pilot_rollout` is the split a pilot run
     found (the simulator's sweep of the first `profile_steps` steps); without it
     `static-profiled` finds the balanced split from its own first reports. `staleness` is the
-    pipeline's (1: one-step-off; >= 2: streaming, where `hysteresis` uses its throughput model).
+    pipeline's (0: serial, where `hysteresis` adds the stages; 1: one-step-off; >= 2:
+    streaming, where `hysteresis` uses its throughput model).
     """
     from dynaresize.policy.baselines import Greedy, Lend, Scripted, Static, StaticProfiled
     from dynaresize.policy.hysteresis import Hysteresis

@@ -18,6 +18,9 @@ current split (no move for a noise-level difference). Then:
 - the move cost is the measured critical time of this run's resizes (`resize_critical_s` of the
   report after a move), an exponentially weighted mean; before the first move a pessimistic prior.
 
+With `staleness=0` (the serial pipeline) the model adds the two stages instead of taking their
+max, and there is no train-only last step.
+
 In the one-step-off pipeline the next step trains the batch just rolled out: its training
 demand is known (`StepReport.next_train_tokens`), so the next step's share of the summed gain,
 and the last step's saving, are predicted from it rather than from the window mean.
@@ -58,11 +61,12 @@ class Hysteresis:
         self.reversal_window_steps = cfg.dwell_steps + cfg.cooldown_steps
         self.staleness = int(staleness)
         self.stream = self.staleness >= 2
+        self.serial = self.staleness == 0  # the serial pipeline: the stages' times add up
         if self.stream:
             self.model = StreamStageModel(move_unit=bounds.move_unit, window=window,
                                           trend_window=max(cfg.horizon_steps, 3), staleness=self.staleness)
         else:
-            self.model = OnlineStageModel(window=window, trend_window=max(cfg.horizon_steps, 3))
+            self.model = OnlineStageModel(window=window, trend_window=max(cfg.horizon_steps, 3), serial=self.serial)
         self.persist = Persistence()
         self.move_cost_s = cfg.move_cost_prior_s  # before any measured move (default pessimistic)
         self._cost_measured = False
@@ -91,11 +95,12 @@ class Hysteresis:
         r = report.num_rollout
         n_dev = r + report.num_train
         left = cfg.horizon_steps if self.num_steps is None else self.num_steps - report.step - 1
-        if left == 1 and not self.stream:
+        if left == 1 and not (self.stream or self.serial):
             return self._last_step(report)
         # one-step-off: the last step only trains (`_last_step`); a move whose cooldown would
-        # still run then, or whose gain is summed over it, does not count on it
-        horizon = min(cfg.horizon_steps, left if self.stream else left - 1 - cfg.cooldown_steps)
+        # still run then, or whose gain is summed over it, does not count on it (serial: every
+        # step left rolls out and trains)
+        horizon = min(cfg.horizon_steps, left if self.stream else left - cfg.cooldown_steps - (not self.serial))
         if horizon <= 0:
             return Keep(reason="no steps left to pay a move back")
         learning = self.model.num_reports < cfg.profile_steps

@@ -3,6 +3,7 @@
     rollout:  T_roll(R) = F + K / R**beta      F: the tail floor, K: scalable work
     training: T_train(n) = c + D / n           c: fixed (exposed communication), D: device-seconds
     step:     T(R)       = max(T_roll(R), T_train(N - R)) + sync
+              (serial pipeline, staleness 0: T_roll(R) + T_train(N - R) + sync)
 
 F is the part of the rollout stage that no number of devices removes: the step's longest
 response decoded alone (`StepReport.rollout_floor_s`). Where a runtime does not report it,
@@ -39,7 +40,8 @@ FLOOR_PRIOR_FRAC = 0.5  # F = this * longest request when the runtime reports no
 
 
 class OnlineStageModel:
-    def __init__(self, window: int = 5, trend_window: int = 20) -> None:
+    def __init__(self, window: int = 5, trend_window: int = 20, serial: bool = False) -> None:
+        self.serial = serial  # staleness 0: the stages run one after the other, so their times add
         self.floor = RollingWindow(window)
         self.roll_scalable = RollingWindow(trend_window)  # T_roll - F, per report
         self.roll_r = RollingWindow(trend_window)  # rollout devices, per report
@@ -148,7 +150,11 @@ class OnlineStageModel:
         a = f + k / r ** self.beta
         b = c + d / n
         sd = np.hypot(self.roll_obs.noise_sd(), self.train_obs.noise_sd() * self._train_obs_n / n)
-        return expected_max(a, b, sd) + sync
+        return self._combine(a, b, sd) + sync
+
+    def _combine(self, a, b, sd):
+        """The two stages' share of the step: their sum (serial) or E[max] (overlapped)."""
+        return np.asarray(a, dtype=np.float64) + b if self.serial else expected_max(a, b, sd)
 
     def step_s(self, num_rollout: int, num_devices: int, ahead: float = 0.0) -> float:
         return float(self.step_curve([num_rollout], num_devices, ahead)[0])
@@ -174,7 +180,7 @@ class OnlineStageModel:
         for fi, ki, ci, di in zip(fs, ks, cs, ds):
             a = fi + max(ki + k_off, 0.0) / r ** self.beta
             b = ci + max(di + d_off, 0.0) / nt
-            e = expected_max(a, b, sd)
+            e = self._combine(a, b, sd)
             out.append(float(e[0] - e[1]))
         return np.asarray(out)
 
@@ -188,7 +194,7 @@ class OnlineStageModel:
         f, k, c, _, sync = self._params(0.0)
         r = np.maximum(np.asarray(splits, dtype=np.float64), 1.0)
         n = np.maximum(num_devices - r, 1.0)
-        return expected_max(f + k / r ** self.beta, c + d / n, self.roll_obs.noise_sd()) + sync
+        return self._combine(f + k / r ** self.beta, c + d / n, self.roll_obs.noise_sd()) + sync
 
     def train_s_next(self, num_train: int) -> float:
         """Training time of the next step on `num_train` devices: its known demand when there is
@@ -199,11 +205,12 @@ class OnlineStageModel:
         return self.train_c.mean() + d / max(num_train, 1)
 
     def balanced_split(self, splits: tuple[int, ...], num_devices: int) -> int:
-        """The legal split where the two stages take the most nearly equal time."""
+        """The legal split where the two stages take the most nearly equal time (serial: where
+        their sum is least)."""
         f, k, c, d, _ = self._params(0.0)
         r = np.asarray(splits, dtype=np.float64)
-        gap = np.abs(f + k / np.maximum(r, 1.0) ** self.beta - c - d / np.maximum(num_devices - r, 1.0))
-        return int(splits[int(np.argmin(gap))])
+        roll, train = f + k / np.maximum(r, 1.0) ** self.beta, c + d / np.maximum(num_devices - r, 1.0)
+        return int(splits[int(np.argmin(roll + train if self.serial else np.abs(roll - train)))])
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])

@@ -8,7 +8,12 @@ Timeline of step k (batch k trains while batch k+1 rolls out, with weights one v
                 │                                                 lend themselves to rollout]
                 └─ when both are done: weight sync           ──> sync_done -> report -> controller
 
-Before step 0 a prologue rolls out batch 0 alone; the last step trains only. Events are kept
+Before step 0 a prologue rolls out batch 0 alone; the last step trains only.
+
+`serial=True` is the serial pipeline (staleness 0, `train.staleness=0`): step k rolls out batch k
+with the current weights, then trains it, then syncs; rollout devices idle while training runs
+and trainers while rollout runs (both counted as bubble). No prologue; the last step does not
+sync. The report carries no `next_train_tokens` (the next batch is not rolled out yet). Events are kept
 in a heap and handled in time order; a handler may schedule later events (lending re-times
 `rollout_done`, superseding the earlier one).
 
@@ -123,18 +128,26 @@ class _Null:
 
 
 def run_policy(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *, start_rollout: int,
-               reversal_window: int, recorder=None, on_step: Callable[[int], None] | None = None) -> PolicyResult:
-    """Simulate one policy over the scenario; returns its result (records go to `recorder`)."""
+               reversal_window: int, recorder=None, on_step: Callable[[int], None] | None = None,
+               serial: bool = False) -> PolicyResult:
+    """Simulate one policy over the scenario; returns its result (records go to `recorder`).
+    `serial`: the serial pipeline (staleness 0) instead of the one-step-off one."""
     rec = recorder if recorder is not None else _Null()
     N, K, model = scenario.num_devices, scenario.num_steps, stages.model
     ctl = Controller(policy=policy, bounds=bounds, assignment=Assignment.split(N, start_rollout))
-    res = PolicyResult(policy=policy.name, num_devices=N, num_steps=K, start_rollout=start_rollout)
+    res = PolicyResult(policy=policy.name, num_devices=N, num_steps=K, start_rollout=start_rollout,
+                       staleness=0 if serial else 1)
     lends = bool(getattr(policy, "lends", False))
+    if lends and serial:
+        raise ValueError("lending needs the one-step-off pipeline (trainers lend while rollout runs)")
     q = EventQueue()
-    pro = stages.rollout(0, start_rollout)
-    res.tail_idle_device_s += pro.tail_idle_device_s
-    res.bubble_idle_device_s += (N - start_rollout) * pro.time_s
-    q.push(pro.time_s, "step_start", (0, None))
+    if serial:
+        q.push(0.0, "step_start", (0, None))
+    else:
+        pro = stages.rollout(0, start_rollout)
+        res.tail_idle_device_s += pro.tail_idle_device_s
+        res.bubble_idle_device_s += (N - start_rollout) * pro.time_s
+        q.push(pro.time_s, "step_start", (0, None))
     st: dict[str, Any] = {}
     measured_cost: float | None = None
 
@@ -146,14 +159,17 @@ def run_policy(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *
             stall = timing.critical_s if timing else 0.0
             t0 = now + stall
             tr = stages.train(k, a.num_train)
-            train_s = max(tr.time_s, timing.optimizer_ready_s - stall) if timing else tr.time_s
-            ro = stages.rollout(k + 1, a.num_rollout) if k + 1 < K else None
+            # serial: batch k rolls out first, and training starts when it is in
+            ro = stages.rollout(k, a.num_rollout) if serial else stages.rollout(k + 1, a.num_rollout) if k + 1 < K else None
+            lead = ro.time_s if serial else 0.0
+            train_s = max(tr.time_s, timing.optimizer_ready_s - stall - lead) if timing else tr.time_s
             st = {"k": k, "start": now, "t0": t0, "stall": stall, "R": a.num_rollout, "n": a.num_train,
                   "ro": ro, "train_s": train_s, "fixed": tr.fixed_s, "roll_end": None, "train_end": None,
                   "lend": None, "version": 0, "train_tokens": stages.seq_tokens(k),
-                  "next_train_tokens": stages.seq_tokens(k + 1) if k + 1 < K else 0}
+                  "next_train_tokens": stages.seq_tokens(k + 1) if k + 1 < K and not serial else 0,
+                  "sync_after": k + 1 < K}
             res.resize_idle_device_s += N * stall
-            q.push(t0 + train_s, "train_done", k)
+            q.push(t0 + lead + train_s, "train_done", k)
             if ro is not None:
                 q.push(t0 + ro.time_s, "rollout_done", (k, 0))
             else:
@@ -162,8 +178,8 @@ def run_policy(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *
             st["train_end"] = now
             ro = st["ro"]
             if lends and ro is not None and st["roll_end"] is None:
-                times, serial, _ = stages.replica_detail(st["k"] + 1, st["R"])
-                out = lend_step(times, serial, st["train_s"], st["n"], model, stages.hw)
+                times, serial_s, _ = stages.replica_detail(st["k"] + 1, st["R"])
+                out = lend_step(times, serial_s, st["train_s"], st["n"], model, stages.hw)
                 if out.lent:
                     st["lend"], st["version"] = out, st["version"] + 1
                     st["train_end"] = st["t0"] + out.back_s  # trainers are back before the next step
@@ -200,7 +216,7 @@ def run_policy(scenario: Scenario, stages: StageModel, policy, bounds: Bounds, *
 def _maybe_sync(q: EventQueue, st: dict, stages: StageModel) -> None:
     if st["roll_end"] is not None and st["train_end"] is not None and "synced" not in st:
         st["synced"] = True
-        sync = stages.sync_s if st["ro"] is not None else 0.0
+        sync = stages.sync_s if st["sync_after"] else 0.0
         st["sync_s"] = sync
         q.push(max(st["roll_end"], st["train_end"]) + sync, "sync_done", st["k"])
 

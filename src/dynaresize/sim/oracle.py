@@ -9,6 +9,9 @@
   path and the wait for its optimizer shards exactly as the engine does (same plan, same cost
   model). It is the ceiling for step-boundary policies.
 
+Each takes `serial=True` for the serial pipeline (staleness 0, `sim.engine`'s `serial`): a step
+is rollout + training + sync there, so the pilot and the sweeps minimise that sum.
+
 The streaming pipeline (staleness >= 2, `sim.stream`) has no per-step stage table (a step's
 rollout overlaps others), so its sweeps run the engine itself:
 - `stream_pilot_split`: the split where the rollout pool's throughput (each replica running its
@@ -17,6 +20,9 @@ rollout overlaps others), so its sweeps run the engine itself:
 - `stream_best_static`: every split of the grid simulated as a fixed split through the same
   engine (no moves, so nothing else differs), the fastest in hindsight. No oracle: the dynamic
   program needs stage times that do not depend on earlier splits, which streaming breaks.
+
+Bounds with predefined splits (`Bounds.allowed_rollout`) restrict every sweep to them: the grid
+is `bounds.splits()`.
 
 When a cluster has more than `MAX_SPLITS` legal splits, the sweeps search an evenly spaced grid
 of `MAX_SPLITS` splits (plus the pilot split): then `best-static` and `oracle` are bounds from
@@ -49,11 +55,15 @@ def grid(bounds: Bounds, include: tuple[int, ...] = (), max_points: int = MAX_SP
     return tuple(sorted(chosen))
 
 
-def pilot_split(stages: StageModel, bounds: Bounds, num_steps: int, profile_steps: int) -> int:
-    """The legal split that best balances mean rollout and training time over the first steps."""
+def pilot_split(stages: StageModel, bounds: Bounds, num_steps: int, profile_steps: int, serial: bool = False) -> int:
+    """The legal split that best balances mean rollout and training time over the first steps
+    (`serial`: the one with the least mean rollout + training time, as the stages add up)."""
     splits = bounds.splits()
     n_dev = bounds.num_devices
     steps = range(min(profile_steps, max(num_steps - 1, 1)))
+    if serial:
+        return min(splits, key=lambda r: (float(np.mean([stages.rollout(k, r).time_s + stages.train(k, n_dev - r).time_s
+                                                           for k in steps])), r))
 
     def gap(r: int) -> float:
         roll = np.mean([stages.rollout(k + 1, r).time_s for k in steps])
@@ -77,15 +87,19 @@ def pilot_split(stages: StageModel, bounds: Bounds, num_steps: int, profile_step
 
 @dataclass(frozen=True)
 class StepTable:
-    """Stage times of every step at every split of `splits` (columns)."""
+    """Stage times of every step at every split of `splits` (columns). One-step-off: a step is
+    max(rollout, train) + sync; `serial` (staleness 0): rollout + train + sync."""
 
     splits: tuple[int, ...]
-    prologue: np.ndarray  # (S,) rollout of batch 0
-    rollout: np.ndarray  # (K, S) rollout of batch k+1 during step k (0 for the last step)
+    prologue: np.ndarray  # (S,) rollout of batch 0 (serial: 0)
+    rollout: np.ndarray  # (K, S) rollout of batch k+1 during step k (0 for the last step); serial: of batch k
     train: np.ndarray  # (K, S) training of batch k
     sync: np.ndarray  # (K,) weight sync after step k (0 for the last step)
+    serial: bool = False
 
     def step_s(self) -> np.ndarray:
+        if self.serial:
+            return self.rollout + self.train + self.sync[:, None]
         return np.maximum(self.rollout, self.train) + self.sync[:, None]
 
     def static_total(self) -> np.ndarray:
@@ -93,21 +107,22 @@ class StepTable:
 
 
 def build_table(stages: StageModel, splits: tuple[int, ...], num_devices: int, num_steps: int,
-                on_step=None) -> StepTable:
+                on_step=None, serial: bool = False) -> StepTable:
     K, S = num_steps, len(splits)
     roll = np.zeros((K, S))
     train = np.zeros((K, S))
     sync = np.full(K, stages.sync_s)
     sync[-1] = 0.0
-    prologue = np.array([stages.rollout(0, r).time_s for r in splits])
+    prologue = np.zeros(S) if serial else np.array([stages.rollout(0, r).time_s for r in splits])
     for k in range(K):
+        b = k if serial else k + 1  # the batch rolled out in step k
         for j, r in enumerate(splits):
             train[k, j] = stages.train(k, num_devices - r).time_s
-            if k + 1 < K:
-                roll[k, j] = stages.rollout(k + 1, r).time_s
+            if b < K:
+                roll[k, j] = stages.rollout(b, r).time_s
         if on_step is not None:
             on_step(k)
-    return StepTable(splits=splits, prologue=prologue, rollout=roll, train=train, sync=sync)
+    return StepTable(splits=splits, prologue=prologue, rollout=roll, train=train, sync=sync, serial=serial)
 
 
 def best_static(table: StepTable) -> tuple[int, float]:
@@ -131,8 +146,12 @@ def oracle_plan(table: StepTable, stages: StageModel, num_devices: int) -> tuple
     back = np.zeros((K, S), dtype=np.int64)
     back[0] = np.arange(S)
     for k in range(1, K):
-        train_k = np.maximum(table.train[k][None, :], opt_wait)  # (from, to)
-        step_k = np.maximum(table.rollout[k][None, :], train_k) + table.sync[k]
+        if table.serial:  # training starts after the rollout, so the optimizer shards have that long too
+            lead = table.rollout[k][None, :]
+            step_k = lead + np.maximum(table.train[k][None, :], opt_wait - lead) + table.sync[k]
+        else:
+            train_k = np.maximum(table.train[k][None, :], opt_wait)  # (from, to)
+            step_k = np.maximum(table.rollout[k][None, :], train_k) + table.sync[k]
         cost = value[:, None] + crit + step_k
         back[k] = np.argmin(cost, axis=0)
         value = cost[back[k], np.arange(S)]

@@ -69,6 +69,7 @@ class WorkloadSpec:
     runaway_max: float = 0.05
     cap_schedule: tuple[tuple[float, float], ...] = ((0.0, 1.0),)  # (fraction of horizon, cap fraction)
     prompt_tokens: int = 512  # prompt length in the reference domain (sim only)
+    prompts_per_step: int = 0  # the job's batch in prompts, where the workload names one; 0: 2 per device
 
     def log_median(self, step: int) -> float:
         """mu(t) without the per-step jitter, in the reference domain (t: the absolute step)."""
@@ -110,6 +111,18 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     # tail changes the regime at once.
     "cap-raise": WorkloadSpec(name="cap-raise", mu0=math.log(1400.0), drift=math.log(1.6), tau_frac=0.6,
                               runaway0=0.006, cap_schedule=((0.0, 0.5), (0.5, 1.0))),
+    # The seed paper's regime (docs/seed-experiment.md): Qwen3-8B DAPO on one 8-GPU node. From verl's
+    # recipe `volcengine/verl` recipe/dapo/test_dapo_8b_megatron_fp16.sh [V]: train_prompt_bsz=32 and
+    # n_resp_per_prompt=16 (512 samples per step), max_response_length 8192 with a 4096-token overlong
+    # buffer (the soft penalty starts at 4k), max_prompt_length 2048, gen_tp=1, 8 GPUs.
+    # Where the recipe and the paper are silent [A]: prompts of 256 tokens (DAPO-Math problems plus
+    # the answer-format instruction, far below the 2048 cap); a long-CoT length model (references
+    # 7.1 profile B: sigma 0.8, runaway ~1%) whose median grows 900 -> 2,500 tokens over the horizon
+    # (a growing long-CoT run, 2.3; the overlong buffer holds the median below 4k), tau a third of
+    # the 300-step horizon.
+    "dapo-qwen3-8b": WorkloadSpec(name="dapo-qwen3-8b", cap_tokens=8192, mu0=math.log(900.0), sigma=0.8,
+                                  drift=math.log(2500.0 / 900.0), tau_frac=1.0 / 3.0, runaway0=0.01,
+                                  prompt_tokens=256, prompts_per_step=32),
     # The emulated demo (preset `default`): DeepScaleR's cap raise compressed into a 20-step run.
     # The cap is 1/8 of 16k until step 10, so training is the slower stage and a device moves
     # to it; then the full cap releases the tail, rollout becomes the slower stage and the
