@@ -5,7 +5,9 @@ runtime", has the numbers. Usage (run directories OUT/emu-etaN, the figures in O
 without --out, a new temporary directory):
 
     DEV=8 EXTRA='{"cluster":{"emulate":"h100:7b","time_scale":20},"rollout":{"length_workload":"longtail-drift"}}' \
-        python scripts/staleness_gain.py STEPS ROLLOUT_DEVICES 1,2 [--out DIR] [--sim-only]
+        python scripts/staleness_gain.py STEPS ROLLOUT_DEVICES 1,2,2p [--out DIR] [--sim-only]
+
+An ETA written with a trailing `p` (2p) is that staleness with partial rollout (rollout.partial).
 """
 import argparse
 import json
@@ -29,14 +31,15 @@ parser.add_argument("--out", default=None, help="directory for the runs and the 
 parser.add_argument("--sim-only", action="store_true")
 args = parser.parse_args()
 STEPS, ROLL = args.steps, args.rollout
-etas = [int(x) for x in args.etas.split(",")]
+etas = args.etas.split(",")
 
 
 def cfg_of(eta):
     devices = int(os.environ.get("DEV", "6"))
     extra = json.loads(os.environ.get("EXTRA", "{}"))
     data = merge(preset("demo"), {"steps": STEPS, "cluster": {"rollout_devices": ROLL, "devices": devices},
-                                  "policy": {"name": "static"}, "train": {"staleness": eta}})
+                                  "policy": {"name": "static"}, "train": {"staleness": int(eta.rstrip("p"))},
+                                  "rollout": {"partial": eta.endswith("p")}})
     return build_config(merge(data, extra))
 
 

@@ -181,19 +181,21 @@ class EngineActor:
 
     def stepped(self, step: int = 0) -> tuple[dict, list]:
         """The engine driven request by request: half the requests added, three iterations,
-        the rest added mid-generation and one of the first aborted; (results by id, aborted)."""
+        the rest added mid-generation and one of the first aborted; (results by id, aborted,
+        the aborted one's tokens so far as `progress` gave them just before)."""
         reqs = _requests(step)
         half = len(reqs) // 2
         self.engine.add(reqs[:half])
-        got, steps, aborted = {}, 0, []
+        got, steps, aborted, made = {}, 0, [], ([], [])
         while self.engine.has_unfinished():
             got.update((r.sample_id, r) for r in self.engine.step())
             steps += 1
             if steps == 3:
                 self.engine.add(reqs[half:])
                 running = [r.sample_id for r in reqs[:half] if r.sample_id not in got]
+                made = self.engine.progress()[running[0]]
                 aborted = self.engine.abort(running[:1])
-        return got, aborted
+        return got, aborted, made
 
     def recompute_logprobs(self, results, perturb: float) -> float:
         """Max |engine log-prob - trainer recompute| over all tokens (HF model, same weights)."""
@@ -289,8 +291,10 @@ def test_vllm_engine_in_a_worker_with_a_gloo_world(actors):
     tokens = [r.response_ids for r in batched]
     assert tokens == [r.response_ids for r in alone] == [r.response_ids for r in other]
     # Request by request (add / step / abort): admitted mid-generation, the same tokens as alone.
-    stepped, aborted = ray.get(a.stepped.remote())
+    stepped, aborted, made = ray.get(a.stepped.remote())
     assert len(aborted) == 1 and aborted[0] not in stepped
+    by_id = {r.sample_id: r for r in alone}
+    assert 1 <= len(made[0]) == len(made[1]) and made[0] == by_id[aborted[0]].response_ids[:len(made[0])]
     assert set(stepped) == {r.sample_id for r in alone} - set(aborted)
     assert all(stepped[r.sample_id].response_ids == r.response_ids for r in alone if r.sample_id in stepped)
     reqs = _requests(0)

@@ -111,3 +111,32 @@ def test_streaming_refuses_faults_and_periodic_checkpoints():
         build_config({**data, "checkpoint": {"every_steps": 2}})
     with pytest.raises(ConfigError, match="train.staleness=5"):
         build_config({**data, "train": {**data["train"], "staleness": 5}})
+
+
+def test_partial_rollout_run_records_token_versions_within_the_bound(ray_local, tmp_path):
+    """Partial rollout at ETA = 2 (not deterministic): long-tailed synthetic lengths keep tails
+    running when an engine's next share needs newer weights, so some samples span two versions;
+    a rollout -> train move hands requests on with their prefix. Every sample's oldest version is
+    within the bound, none newer than its consuming step; the ledger is whole."""
+    data = preset("cpu")
+    data.update(steps=STEPS, deterministic=False, policy={"name": "scripted", "schedule": "3:1"})
+    data["cluster"] = {**data["cluster"], "devices": 4, "rollout_devices": 2}
+    data["rollout"] = {**data["rollout"], "engine": "hf", "prompts_per_step": 4, "samples_per_prompt": 4,
+                       "max_new_tokens": 96, "synthetic_lengths": True, "length_workload": "longtail-drift",
+                       "partial": True}
+    data["train"] = {**data["train"], "staleness": ETA}
+    summary = run_job(build_config(data), tmp_path / "partial", progress=False)
+    assert summary["ledger_ok"], summary["ledger_problems"]
+    samples = list(read_records(tmp_path / "partial" / "records.jsonl", "sample"))
+    assert len({s["sample_id"] for s in samples}) == len(samples) == STEPS * 16
+    assert all(0 <= s["consumed_step"] - s["version"] <= ETA for s in samples)
+    spanned = [s for s in samples if s.get("versions")]
+    assert spanned, "no sample spanned two weight versions"
+    for s in spanned:
+        versions = [v for v, _ in s["versions"]]
+        firsts = [i for _, i in s["versions"]]
+        assert versions == sorted(set(versions)) and versions[0] == s["version"]
+        assert versions[-1] <= s["consumed_step"] and firsts[0] == 0 and firsts == sorted(firsts)
+        assert firsts[-1] < s["num_tokens"]
+    resize = next(read_records(tmp_path / "partial" / "records.jsonl", "resize"))
+    assert resize["to_role"] == "train" and resize["requests_moved"] >= 0

@@ -834,6 +834,13 @@ EVIDENCE: dict[str, tuple] = {
                        else (Refused("vllm", "rollout.engine='vllm': the vllm package is not installed"),))
                       + (Refused("sglang", "rollout.engine='sglang': must be one of"),),
     "rollout.engine_release": (Probe("teardown", _release_engine),),
+    "rollout.partial": (Runtime("tests/e2e/test_staleness_run.py::test_partial_rollout_run_records_token_versions_within_the_bound",
+                                "samples span two weight versions, each recorded, the oldest within the bound"),
+                        Runtime("tests/unit/test_worker_serve.py::test_weight_change_under_running_requests_needs_partial_rollout",
+                                "without it a weight change under running requests is refused"),
+                        Refused(True, "rollout.partial=True: needs train.staleness >= 2"),
+                        Refused(True, "rollout.partial=True: needs train.staleness >= 2",
+                                base={"deterministic": True, "train": {"staleness": 2}})),
     "rollout.vllm_max_num_seqs": (Probe(5, _vllm_kwargs, base=VLLM_MODEL),),
     "rollout.vllm_max_model_len": (Probe(300, _vllm_kwargs, base=VLLM_MODEL),),
     "rollout.vllm_kv_cache_bytes": (Probe(3 << 20, _vllm_kwargs, base=VLLM_MODEL),),

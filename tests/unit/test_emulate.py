@@ -167,10 +167,13 @@ def test_stream_plan_is_the_streaming_engines_shares(target, num_rollout):
     assert shares == [(lo, min(lo + share, 24)) for lo in range(0, 24, share)]
     plan = emu.stream_plan(2, num_rollout)
     assert len(plan) == len(shares) * tp
-    assert sorted(i for positions, _ in plan for i in positions) == list(range(24))
+    assert sorted(i for positions, *_ in plan for i in positions) == list(range(24))
+    lengths = emu.lengths_flat(2)
     for k, (lo, hi) in enumerate(shares):
-        for positions, pace_s in plan[k * tp:(k + 1) * tp]:
-            assert set(positions) <= set(range(lo, hi)) and pace_s == emu.stages.chunk(2, lo, hi).time_s
+        ch = emu.stages.chunk(2, lo, hi)
+        for positions, pace_s, body_s, longest in plan[k * tp:(k + 1) * tp]:
+            assert set(positions) <= set(range(lo, hi)) and (pace_s, body_s) == (ch.time_s, ch.body_s)
+            assert body_s <= pace_s and lo <= longest < hi and lengths[longest] == lengths[lo:hi].max()
     parts = emu.train_part_s(2, list(range(10)), 4, last=False) + emu.train_part_s(2, list(range(10, 24)), 4, last=True)
     assert parts == pytest.approx(emu.train_s(2, 4), rel=1e-12)
 
@@ -285,7 +288,7 @@ def test_router_sends_each_device_its_replica_at_once():
     assert pacing.rollout_chunks(-1, evals, 4) == evals  # evaluation (step -1) is not modelled: unpaced
     stream = pacing.rollout_chunks(2, groups, 4, stream=True)  # the streaming pipeline's shares
     assert [[pacing.emulator.sample_index(r.sample_id) for r in c] for c in stream] == \
-        [list(p) for p, _ in pacing.emulator.stream_plan(2, 4)]
+        [list(p) for p, *_ in pacing.emulator.stream_plan(2, 4)]
 
 
 def test_emulate_flag_replaces_the_presets_emulation_and_its_time_scale():

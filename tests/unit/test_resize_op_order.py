@@ -48,8 +48,10 @@ def _cluster(log: list, use_gpu: bool, n: int = 4):
             out.append({"t0": 0.0, "t1": 0.0})
         return out
 
+    workers = [_Worker(log, d) for d in range(n)]
     return SimpleNamespace(
-        workers=[_Worker(log, d) for d in range(n)], wait=wait, use_gpu=use_gpu,
+        workers=workers, wait=wait, use_gpu=use_gpu,
+        migrate_requests=lambda devices: wait([(d, workers[d].migrate_requests.remote()) for d in devices], "m"),
         pacing=DriverPacing(build_config({})), reach=lambda *a: None,
         create_split_groups=lambda a, critical: 0, prewarm=lambda a: [],
         op_entry=lambda name, d, r, critical: {"name": name, "device": d, "critical": critical, "t1": r["t1"]})

@@ -59,27 +59,29 @@ def test_release_order_and_drain_and_removal():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_windows_keep_the_stated_bounds(eta, seed):
     """Windows of a toy run: release, run engines until step k is complete (random order of
-    completions), 'train' k while engines go on, resize now and then; bounds hold throughout
-    and each step's items run with version max(0, k - eta)."""
+    completions; an engine admits more items at random moments, as when its items are down to
+    their tails), 'train' k while engines go on, resize now and then (a leaving engine's items
+    are drained or moved to the others); bounds hold throughout and each step's items run with
+    version max(0, k - eta)."""
     rng = random.Random(seed)
     steps, items = 12, 5
     q = StreamQueue(eta=eta)
     engines = [0, 1, 2]
     for d in engines:
         q.add_engine(d, 0)
-    running: dict[int, tuple[int, object, int]] = {}
+    running: dict[int, list[tuple[int, object]]] = {}
     versions_used: dict[int, set] = {}
 
     def tick(trained):
         for d in list(q.engine_version):
-            nxt = q.next_for(d)
-            if nxt is not None:
-                running[d] = (nxt.step, nxt.item, nxt.version)
+            while (nxt := q.next_for(d, admitting=rng.random() < 0.5)) is not None:
+                running.setdefault(d, []).append((nxt.step, nxt.item))
                 versions_used.setdefault(nxt.step, set()).add(nxt.version)
         assert not q.check_bounds(trained), q.check_bounds(trained)
-        if running:
-            d = rng.choice(sorted(running))
-            s, _, _ = running.pop(d)
+        busy = sorted(d for d, items in running.items() if items)
+        if busy:
+            d = rng.choice(busy)
+            s, _ = running[d].pop(rng.randrange(len(running[d])))
             q.done(d, s)
 
     for k in range(steps):
@@ -97,10 +99,49 @@ def test_windows_keep_the_stated_bounds(eta, seed):
             leaver = rng.choice(sorted(q.engine_version))
             if len(q.engine_version) > 1:
                 q.close([leaver])
-                while not q.idle([leaver]):
-                    tick(k)
+                if rng.random() < 0.5:
+                    while not q.idle([leaver]):
+                        tick(k)
+                for s, item in sorted(running.pop(leaver, []), reverse=True):  # moved: first in line
+                    q.done(leaver, s)
+                    q.requeue(s, f"{item}'")
                 q.remove_engine(leaver)
         elif k % 4 == 3:  # a device joins holding the version just trained
             q.add_engine(max(engines) + 1, k + 1)
             engines.append(max(engines) + 1)
     assert versions_used == {s: {rollout_version(s, eta)} for s in range(steps)}
+
+
+def test_admission_takes_the_next_item_of_the_same_version_under_tails_only():
+    q = StreamQueue(eta=2)
+    q.add_engine(0, 0)
+    for s in range(4):
+        q.release(s, [f"g{s}a", f"g{s}b"])
+    first = q.next_for(0)
+    assert q.next_for(0) is None  # its item is still in its body
+    second = q.next_for(0, admitting=True)  # down to its last request: it admits the next one
+    assert (first.step, second.step, second.pull) == (0, 0, False) and q.busy[0] == [0, 0]
+    for _ in range(4):  # steps 1 and 2 also use version 0: admitted under the tails
+        assert q.next_for(0, admitting=True).version == 0
+    assert q.queue[0][0] == 3 and q.next_for(0, admitting=True) is None  # version 1 waits for the tails
+    partial = q.next_for(0, admitting=True, partial=True)  # partial rollout: pull at once, tails go on
+    assert (partial.step, partial.version, partial.pull) == (3, 1, True)
+    for step in [0, 0, 1, 1, 2, 2, 3]:
+        q.done(0, step)
+    assert q.idle([0]) and all(q.complete(s) for s in range(3)) and not q.complete(3)
+
+
+def test_moved_requests_go_back_first_as_a_new_item_of_their_step():
+    q = StreamQueue(eta=2)
+    q.add_engine(0, 0)
+    q.add_engine(1, 0)
+    q.release(0, ["a", "b"])
+    q.release(1, ["c"])
+    d = q.next_for(0)
+    q.close([0])
+    q.done(0, d.step)  # the leaving engine's item ends there ...
+    q.requeue(0, "a-rest")  # ... and what it had not finished is queued again, first
+    assert not q.complete(0) and q.queue[0] == (0, "a-rest")
+    assert q.next_for(0) is None and q.next_for(1).item == "a-rest"
+    with pytest.raises(ValueError):
+        q.requeue(7, "x")  # never released
