@@ -329,3 +329,16 @@ def test_nothing_is_paced_unless_asked(tmp_path):
     assert cluster("--config", str(tmp_path / "paced.toml")).emulate == "h100:7b"
     assert cluster("--preset", "demo").emulate == "a100:7b"
     assert cluster("--devices", "8", "--emulate", "h100:7b").emulate == "h100:7b"
+
+
+def test_moved_requests_are_paced_as_the_simulator_times_a_migration():
+    """Requests moved off a leaving replica: from their first token, their time on one replica
+    is `StageModel.chunk_at`; under partial rollout they keep the tokens the share had made."""
+    emu = _emu(prompts=6, samples=4)
+    moved = [3, 7, 11]
+    ch = emu.stages.chunk_at(2, moved)
+    time_s, body_s, top = emu.moved_share(2, moved)
+    assert (time_s, body_s) == (ch.time_s, ch.body_s) and emu.lengths_flat(2)[top] == emu.lengths_flat(2)[moved].max()
+    share = list(range(12))
+    later, _, _ = emu.moved_share(2, moved, share=share, elapsed_s=0.5 * emu.stages.chunk(2, 0, 12).time_s)
+    assert 0 < later < time_s  # the prefix is not decoded again

@@ -127,13 +127,17 @@ class DriverPacing:
         top = next((r.sample_id for r in mine if index(r.sample_id) == longest), None)
         return PacedRequests(mine, pace_s, body_s if top is not None else pace_s, top)
 
-    def moved_item(self, step: int, requests: list[Any], original: Any) -> list[Any]:
+    def moved_item(self, step: int, requests: list[Any], original: Any, *, ran_s: float | None = None) -> list[Any]:
         """Requests moved off a leaving engine, as a new item of `step`: emulated, paced to
-        their time on one replica from their first token (`Emulator.moved_share`)."""
+        their time on one replica (`Emulator.moved_share`), from their first token, or with
+        `ran_s` (partial rollout: wall seconds the original item had run) from the prefix
+        they had made by then."""
         if self.emulator is None or not isinstance(original, PacedRequests):
             return list(requests)
         index = self.emulator.sample_index
-        return self._paced(requests, *self.emulator.moved_share(step, [index(r.sample_id) for r in requests]))
+        extra = {} if ran_s is None else {"share": [index(r.sample_id) for r in original],
+                                          "elapsed_s": ran_s * self.time_scale}
+        return self._paced(requests, *self.emulator.moved_share(step, [index(r.sample_id) for r in requests], **extra))
 
     def request_due(self, requests: Any, start: float) -> dict:
         """Emulated: sample id -> wall time its result is due for an item started at `start`

@@ -290,7 +290,8 @@ class StreamRouter:
             for item in sorted(e.items, key=lambda it: -it.step):  # the oldest step ends up first in line
                 reqs = [with_prefix.get(sid, r) for sid, r in item.pending.items()]
                 self.queue.done(d, item.step)
-                self.queue.requeue(item.step, c.pacing.moved_item(item.step, reqs, item.requests))
+                ran_s = time.time() - item.t0 if self.partial else None
+                self.queue.requeue(item.step, c.pacing.moved_item(item.step, reqs, item.requests, ran_s=ran_s))
                 moved += len(reqs)
             now = time.time()
             for span in e.spans:

@@ -182,11 +182,19 @@ class Emulator:
             out += [(tuple(range(lo, hi))[part::tp], ch.time_s, ch.body_s, top) for part in range(tp)]
         return out
 
-    def moved_share(self, step: int, positions: list[int]) -> tuple[float, float, int]:
-        """(time, body time, longest position) of requests moved to another replica, run there
-        from their first token (`StageModel.chunk_at`, as the simulator's migration)."""
-        ch = self.stages.chunk_at(step, positions)
-        top = max(positions, key=lambda i: (self.lengths_flat(step)[i], -i))
+    def moved_share(self, step: int, positions: list[int], *, share: list[int] | None = None,
+                    elapsed_s: float = 0.0) -> tuple[float, float, int]:
+        """(time, body time, longest position) of requests moved to another replica, as the
+        simulator's migration times them (`StageModel.chunk_at`): from their first token, or,
+        given the `share` they were part of and how long it had decoded (`elapsed_s`, partial
+        rollout), resumed with the prefix they had made by then (`StageModel.tokens_after`)."""
+        done = None
+        if share is not None:
+            made = dict(zip(share, self.stages.tokens_after(step, share, elapsed_s)))
+            done = [int(made.get(i, 0)) for i in positions]
+        ch = self.stages.chunk_at(step, positions, done)
+        left = {i: self.lengths_flat(step)[i] - (done[k] if done else 0) for k, i in enumerate(positions)}
+        top = max(positions, key=lambda i: (left[i], -i))
         return ch.time_s, ch.body_s, top
 
     def lengths_flat(self, step: int) -> np.ndarray:
