@@ -198,7 +198,9 @@ class StreamRouter:
         e.pulls = []
         e.running = int(res["running"])
         for r in res["results"]:
-            item = next(it for it in e.items if tuple(r.sample_id) in it.pending)
+            item = next((it for it in e.items if tuple(r.sample_id) in it.pending), None)
+            if item is None:
+                raise RuntimeError(f"device {self.cluster.ids[d]} returned sample {r.sample_id}, which it was not running")
             item.held[tuple(r.sample_id)] = r
             item.real_end = max(item.real_end, res["t1"])
         self._deliver_due()
