@@ -221,6 +221,21 @@ def stage_ratio(s: Setting, window: int = 20) -> dict:
     return {"first": ratio(range(window)), "last": ratio(range(K - window, K))}
 
 
+def workload_facts(s: Setting, window: int = 10) -> dict:
+    """The sampled lengths of the job's first and last `window` steps (median, mean, the share at
+    the 8k cap) and how much its training time at 6:2 changes from step to step."""
+    sc = s.scenario()
+    out = {}
+    for key, ks in (("first", range(window)), ("last", range(sc.num_steps - window, sc.num_steps))):
+        a = np.concatenate([sc.batch_of(k).response_tokens for k in ks])
+        out[key] = {"median": float(np.median(a)), "mean": float(a.mean()), "capped": float((a >= a.max()).mean())}
+    stages = sc.stages()
+    t = np.array([stages.train(k, sc.num_devices - 2).time_s for k in range(sc.num_steps)])  # at 6:2
+    out["train_step_change"] = {"mean": float(np.mean(np.abs(np.diff(t)) / t[:-1])),
+                                "max_s": float(np.abs(np.diff(t)).max())}
+    return out
+
+
 def switching_ceiling(splits: tuple[int, ...] = PREDEFINED, devices: int = 8) -> dict:
     """The most any switching schedule can beat the best static split by, in the most favourable
     model: each stage perfectly divisible (T_roll = W_r / R, T_train = W_t / (N - R), a step
@@ -307,9 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {"paper regime": stage_ratio(paper), "decode 3x": stage_ratio(replace(paper, decode_cost=3.0)),
               "decode 3x, cap-raise": stage_ratio(replace(paper, decode_cost=3.0, workload="cap-raise"))}
     ceiling = switching_ceiling()
+    lengths = workload_facts(paper)
     text = ("## Main table\n\n" + main_table(main_res) + "\n\n## One change at a time\n\n" + ladder_table(ladder_res)
             + "\n\n## Baseline\n\nhysteresis on the predefined splits (staleness 1, our switch) against each static "
             "split: " + ", ".join(f"{8 - r}:{r} {x:.3f}x" for r, x in vs.items())
+            + "\n\n## Workload\n\ndapo-qwen3-8b, sampled (seed 0), first 10 -> last 10 steps: median "
+            + f"{lengths['first']['median']:.0f} -> {lengths['last']['median']:.0f} tokens, mean "
+            + f"{lengths['first']['mean']:.0f} -> {lengths['last']['mean']:.0f}, at the cap "
+            + f"{lengths['first']['capped']:.1%} -> {lengths['last']['capped']:.1%}; training time at 6:2 changes by "
+            + f"{lengths['train_step_change']['mean']:.0%} on average from one step to the next (at most "
+            + f"{lengths['train_step_change']['max_s']:.0f} s)"
             + "\n\n## Balance drift\n\nrollout / training time at 4:4, first 20 -> last 20 steps: "
             + "; ".join(f"{k} {v['first']:.2f} -> {v['last']:.2f}" for k, v in ratios.items())
             + "\n\nceiling of any switching schedule over the best of splits 2,4,6 (divisible stages, free switches): "
@@ -322,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "seed.json").write_text(json.dumps({"main": main_res, "ladder": ladder_res, "baseline": vs,
-                                                   "balance": ratios, "ceiling": ceiling}, indent=1, default=str))
+                                                   "balance": ratios, "ceiling": ceiling,
+                                                   "lengths": lengths}, indent=1, default=str))
         (out / "seed.md").write_text(text)
     return 0
 

@@ -54,6 +54,20 @@ def test_allowed_rollout_config_parses_and_names_bad_values():
             build_config(apply_overrides({}, ["cluster.devices=8", f"policy.allowed_rollout={value}"]))
 
 
+def test_runtime_refuses_a_start_outside_the_predefined_splits():
+    from dynaresize.driver.run import Run
+
+    run = Run.__new__(Run)
+    run.cfg = build_config(apply_overrides({}, ["cluster.devices=8", "cluster.rollout_devices=3",
+                                                "policy.allowed_rollout=2,4,6"]))
+    with pytest.raises(ConfigError, match="cluster.rollout_devices=3.*allowed_rollout=2,4,6"):
+        run._controller({})
+    run.cfg = build_config(apply_overrides({}, ["cluster.devices=8", "cluster.rollout_devices=4",
+                                                "policy.allowed_rollout=2,4,6"]))
+    ctl, assignment = run._controller({})
+    assert assignment.num_rollout == 4 and ctl.bounds.splits() == (2, 4, 6)
+
+
 def test_scenario_and_emulator_bounds_carry_the_predefined_splits():
     cfg = PolicyConfig(allowed_rollout=(2, 4, 6))
     sc = workload_scenario("dapo-qwen3-8b", num_devices=8, num_steps=4, model="qwen3-8b", accelerator="h20")
