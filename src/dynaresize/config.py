@@ -77,13 +77,15 @@ class TaskConfig:
     reward_timeout_s: float = 60.0  # the deadline of one reward call (a sample; trl: a prompt group)
     on_reward_error: str = "fail"  # fail | zero: a reward that raises, times out or returns a non-number
     chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's chat template
+    env: str | None = None  # multi-turn: an environment `module:Class` or `file.py:Class` (rl/env.py)
+    max_turns: int = 4  # multi-turn: model turns per trajectory at most
+    max_total_tokens: int = 0  # multi-turn: prompt + turns + observations at most; 0: the model's positions
+    env_timeout_s: float = 30.0  # multi-turn: the deadline of one environment call (reset or step)
 
-    def check(self, err: "_Errors") -> None:  # every task field, in config_load.check_task (some read files)
-        return None
+    def check(self, err: "_Errors") -> None: return None  # every task field: config_load.check_task (reads files)
 
 
-ROLLOUT_ENGINES = ("auto", "vllm", "hf")
-ROLLOUT_DTYPES = ("auto", "fp32", "bf16")
+ROLLOUT_ENGINES, ROLLOUT_DTYPES = ("auto", "vllm", "hf"), ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,8 +352,6 @@ class RunConfig:
             err.need(all(r < c.devices for r in p.allowed_rollout), "policy.allowed_rollout",
                      ",".join(map(str, p.allowed_rollout)), f"every split must leave a trainer (< devices {c.devices})")
 
-
-# ---------------------------------------------------------------- parsing helpers
 
 
 def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:

@@ -26,6 +26,7 @@ from dynaresize.config import RunConfig, TaskConfig, _Errors
 from dynaresize.emulate.check import check_config
 from dynaresize.errors import ConfigError
 from dynaresize.rl.dataset import ROLES as DATASET_ROLES
+from dynaresize.rl.env import env_spec
 from dynaresize.rl.model_path import model_path_problem
 from dynaresize.rl.rewards import STYLES as REWARD_STYLES
 
@@ -180,6 +181,25 @@ def check_task(cfg: RunConfig) -> list[tuple[str, Any, str]]:
     for role, column in t.columns.items():
         need(role in DATASET_ROLES, "columns", f"{role!r} is not a role (roles: {', '.join(DATASET_ROLES)})")
         need(bool(column), "columns", f"{role}= names no column")
+    multi = env_spec(t) is not None  # a multi-turn task (rl/env.py)
+    need(t.env is None or ":" in t.env, "env", "must be module:Class or file.py:Class")
+    need(t.max_turns >= 1, "max_turns", "must be >= 1")
+    need(t.max_total_tokens >= 0, "max_total_tokens", "must be >= 0 (0: the model's positions)")
+    need(math.isfinite(t.env_timeout_s) and t.env_timeout_s > 0, "env_timeout_s", "must be > 0 (seconds)")
+    for name in ("max_turns", "max_total_tokens", "env_timeout_s"):
+        need(multi or getattr(t, name) == getattr(TaskConfig, name), name,
+             "only read by a multi-turn task: set task.env (or task.name=agent-calc|agent-guess)")
+    if multi:
+        need(t.reward is None, "reward", "unused with a multi-turn task: the environment's step rewards are its reward")
+        if cfg.eval.every_steps:
+            out.append(("eval.every_steps", cfg.eval.every_steps, "evaluation of a multi-turn task is not built: "
+                        "set eval.every_steps=0"))
+        if cfg.rollout.synthetic_lengths:
+            out.append(("rollout.synthetic_lengths", True, "a multi-turn task's turns end at EOS or when its "
+                        "environment is done: set rollout.synthetic_lengths=false"))
+        if cfg.cluster.emulate:
+            out.append(("cluster.emulate", cfg.cluster.emulate, "emulated pacing of a multi-turn task is in the "
+                        "simulator only (dynaresize simulate --workload agent-tools): leave it unset"))
     e = cfg.eval
     if e.every_steps and e.prompts_file is None and (path is not None or t.name.partition(":")[0] != TaskConfig.name):
         out.append(("eval.prompts_file", None, f"needed to evaluate a task from task.{name if path else 'name'}="

@@ -21,6 +21,10 @@ split and in deterministic mode. Tests build on `cpu`.
 
 `math` is a real math task, offline: grade-school arithmetic word problems in verl's parquet
 schema, graded by math-verify, on the tiny model, 3 CPU devices, with scripted resizes each way.
+
+`agent` is a multi-turn task: arithmetic with a calculator tool (`agent-calc`, rl/agent_task.py;
+the model must call the tool to score), up to 3 turns, on the tiny model, 3 CPU devices, with
+scripted resizes each way (`--set task.name=agent-guess` runs the pure-text guessing game).
 """
 
 from __future__ import annotations
@@ -112,6 +116,22 @@ def math() -> dict:
     }
 
 
+def agent() -> dict:
+    """A multi-turn task with a tool (see the module docstring): trajectories of up to 3 model
+    turns of <= 24 tokens with calculator results in between, 320 tokens in all; training gets
+    a device before step 2 and rollout takes it back before step 4."""
+    return {
+        "steps": 6,
+        "seed": 0,
+        "cluster": {"devices": 3, "rollout_devices": 2},
+        "task": {"name": "agent-calc", "max_turns": 3, "max_total_tokens": 320, "env_timeout_s": 10.0},
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 24, "max_prompt_tokens": 160,
+                    "synthetic_lengths": False},
+        "policy": {"name": "scripted", "schedule": "2:1,4:2"},
+        "train": {"lr": 5e-3},
+    }
+
+
 PRESETS: dict[str, Callable[[], dict]] = {
     "default": cpu,  # unpaced: emulation only when asked
     "cpu": cpu,
@@ -120,6 +140,7 @@ PRESETS: dict[str, Callable[[], dict]] = {
     "deterministic": deterministic,
     "user": user,
     "math": math,
+    "agent": agent,
 }
 
 

@@ -192,7 +192,7 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         self._maybe_fault("rollout", step)
         self._pin_threads()
         t0 = time.time()
-        results = self.engine.generate(requests)
+        results = self._stepper().generate(requests)  # multi-turn: inside the turn loop (worker_serve.py)
         return {"results": results, "t0": t0, "t1": time.time(), "device": self.device}
 
     def _pin_threads(self) -> None:
@@ -269,6 +269,9 @@ def worker_config(cfg: RunConfig) -> dict:
 
     out = config_to_dict(cfg)
     out["rollout"]["engine"] = resolve_engine(cfg)
+    env = cfg.task.env
+    if env and env.rsplit(":", 1)[0].endswith(".py"):  # a file: as the driver sees it, whatever the worker's cwd
+        out["task"]["env"] = f"{os.path.abspath(env.rsplit(':', 1)[0])}:{env.rsplit(':', 1)[1]}"
     return out
 
 

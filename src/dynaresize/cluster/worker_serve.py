@@ -20,6 +20,13 @@ comes back as a request to send elsewhere. With `keep` (partial rollout) it carr
 prefix (tokens, log-probs, versions) and continues from prompt + prefix on another replica,
 a fresh prefill there (the KV does not move); otherwise it comes back as it was sent and runs
 again from its first token, which gives the same tokens (the seed belongs to the sample).
+
+Multi-turn (`GenRequest.env_sample`, roles/multiturn.py): the worker's turn loop runs around
+the engine (`_stepper`, a `TurnEngine`), in `serve` and in `generate` alike; a trajectory counts
+as running while a model turn decodes or an environment call is pending, and `serve` waits for
+environment calls within its `max_s` when nothing decodes. Its result holds the whole
+trajectory (nothing is put in front of it here); a moved trajectory carries its history
+(tokens, log-probs, loss mask, finished turns) and, with `keep`, its running turn's tokens.
 """
 
 from __future__ import annotations
@@ -29,8 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from dynaresize.roles.base import GenRequest, GenResult, SampleId
-
-RESUME_SEED_STRIDE = 1_000_003  # a resumed request samples from a stream of its own (seed + stride x prefix)
+from dynaresize.roles.multiturn import RESUME_SEED_STRIDE, TurnEngine, TurnLoop  # noqa: F401 (a resumed request's stream)
 
 
 @dataclass
@@ -40,8 +46,9 @@ class _Serving:
 
 
 def engine_request(r: GenRequest) -> GenRequest:
-    """What the engine runs for `r`: with a prefix, prompt + prefix and the rest of its length."""
-    if not r.prefix_ids:
+    """What the engine runs for `r`: with a prefix, prompt + prefix and the rest of its length
+    (a trajectory as it is: the turn loop continues it)."""
+    if not r.prefix_ids or r.env_sample is not None:
         return r
     n = len(r.prefix_ids)
     return GenRequest(sample_id=r.sample_id, prompt_ids=[*r.prompt_ids, *r.prefix_ids],
@@ -51,8 +58,11 @@ def engine_request(r: GenRequest) -> GenRequest:
 
 def whole_result(r: GenRequest, res: GenResult, versions: list[tuple[int, int]]) -> GenResult:
     """The engine's result of `engine_request(r)` with `r`'s prefix in front, its version the
-    oldest of its tokens and `versions` kept only when more than one made them."""
+    oldest of its tokens and `versions` kept only when more than one made them. A trajectory's
+    result is whole already (its prefix is in it)."""
     marks = _normal(versions)
+    if r.env_sample is not None:
+        return replace(res, version=marks[0][0], versions=tuple(marks) if len(marks) > 1 else ())
     return replace(res, response_ids=[*r.prefix_ids, *res.response_ids],
                    logprobs=[*r.prefix_logprobs, *res.logprobs], version=marks[0][0],
                    versions=tuple(marks) if len(marks) > 1 else ())
@@ -72,6 +82,22 @@ def _normal(versions: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class ServeMixin:
     """`DeviceWorker` methods for request-level rollout (attributes: `engine`, `cfg`, `device`)."""
 
+    def _stepper(self):
+        """The engine as the worker drives it: with a multi-turn task, inside its turn loop."""
+        loop = self._turn_loop()
+        return self.engine if loop is None else TurnEngine(self.engine, loop)
+
+    def _turn_loop(self) -> TurnLoop | None:
+        """This worker's turn loop (roles/multiturn.py), made on first use; None for a
+        single-turn task."""
+        if getattr(self, "_turns", None) is None:
+            from dynaresize.rl.env import env_spec
+
+            task = getattr(self.cfg, "task", None)  # (test stand-ins of the worker carry no task)
+            spec = None if task is None else env_spec(task)
+            self._turns = False if spec is None else make_turn_loop(self.cfg, spec)
+        return self._turns or None
+
     def _served(self) -> dict[SampleId, _Serving]:
         if getattr(self, "_serving", None) is None:
             self._serving = {}
@@ -86,17 +112,18 @@ class ServeMixin:
         self._pin_threads()
         t0 = time.time()
         serving = self._served()
+        stepper = self._stepper()
         moved = self._stop(list(serving) if abort_all else [tuple(a) for a in abort], keep)
         if add:
             version = int(self.engine.version)
             for r in add:
                 start = list(r.prefix_versions) or [(version, 0)]
                 serving[tuple(r.sample_id)] = _Serving(request=r, versions=[*start, (version, len(r.prefix_ids))])
-            self.engine.add([engine_request(r) for r in add])
+            stepper.add([engine_request(r) for r in add])
         results: list[GenResult] = []
         deadline = t0 + max(0.0, float(max_s))
-        while self.engine.has_unfinished() and not abort_all:
-            for res in self.engine.step():
+        while stepper.has_unfinished() and not abort_all:
+            for res in stepper.step():
                 s = serving.pop(tuple(res.sample_id))
                 results.append(whole_result(s.request, res, s.versions))
             if results or time.time() >= deadline:
@@ -109,13 +136,19 @@ class ServeMixin:
         if not ids:
             return []
         serving = self._served()
-        made = self.engine.progress() if keep else {}
-        stopped = self.engine.abort(ids)
+        stepper = self._stepper()
+        made = stepper.progress() if keep else {}
+        histories = {tuple(sid): stepper.moved(sid, keep) for sid in ids
+                     if isinstance(stepper, TurnEngine) and stepper.loop.owns(sid)}
+        stopped = stepper.abort(ids)
         out = []
         for sid in stopped:
             s = serving.pop(tuple(sid))
             r = s.request
-            if keep:
+            if tuple(sid) in histories:  # a trajectory: its history, versions up to where it was cut
+                r = histories[tuple(sid)]
+                r = replace(r, prefix_versions=tuple(_normal([m for m in s.versions if m[1] < max(1, len(r.prefix_ids))])))
+            elif keep:
                 tokens, logprobs = made.get(tuple(sid), ([], []))
                 r = replace(r, prefix_ids=(*r.prefix_ids, *tokens), prefix_logprobs=(*r.prefix_logprobs, *logprobs),
                             prefix_versions=tuple(_normal(s.versions)))
@@ -130,7 +163,7 @@ class ServeMixin:
         if not self.cfg.rollout.partial:
             raise RuntimeError(f"device {self.device}: weights changed to version {version} under "
                                f"{len(serving)} running requests without rollout.partial")
-        made = self.engine.progress()
+        made = self._stepper().progress()
         for sid, s in serving.items():
             s.versions.append((int(version), len(s.request.prefix_ids) + len(made.get(sid, ([], []))[0])))
 
@@ -138,4 +171,34 @@ class ServeMixin:
         """The engine is released: its running requests go with it. How many there were."""
         n = len(self._served())
         self._serving = {}
+        if getattr(self, "_turns", None):
+            self._turns.clear()
         return n
+
+
+def make_turn_loop(cfg, spec: str) -> TurnLoop:
+    """The turn loop of run config `cfg` in environment `spec`: the model's tokenizer decodes
+    actions and encodes observations (chat messages through its chat template, or the built-in
+    one for the built-in tokenizer: rl/tasks.py)."""
+    from dynaresize.rl.env import load_env
+    from dynaresize.rl.models import load_tokenizer, max_positions
+    from dynaresize.rl.tasks import TINY_CHAT_TEMPLATE, decode_response
+
+    tok = load_tokenizer(cfg.model)
+    template = None if getattr(tok, "chat_template", None) else TINY_CHAT_TEMPLATE
+    base = [{"role": "user", "content": "x"}]
+    head = tok.apply_chat_template(base, tokenize=False, chat_template=template)
+
+    def encode(obs) -> list[int]:
+        if isinstance(obs, str):
+            text = obs
+        else:  # messages: what the template adds after a conversation, up to the model's next turn
+            whole = tok.apply_chat_template(base + list(obs), tokenize=False, add_generation_prompt=True,
+                                            chat_template=template)
+            text = whole[len(head):] if whole.startswith(head) else whole
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    t = cfg.task
+    return TurnLoop(load_env(spec), spec, decode=lambda ids: decode_response(tok, ids), encode=encode,
+                    max_turns=t.max_turns, max_total_tokens=t.max_total_tokens or max_positions(cfg.model),
+                    timeout_s=t.env_timeout_s)

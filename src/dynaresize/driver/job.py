@@ -20,6 +20,14 @@ the other samples, and its advantage is 0, so it moves no policy gradient; it st
 step's batch (consumed, micro-batches fixed by sample id), where it still counts in the
 `token-mean` denominator and the KL and entropy terms. A group with fewer than two rewards left
 has advantages 0.
+
+Multi-turn tasks (`task.env`, rl/env.py): each request carries its prompt record for the
+environment (`GenRequest.env_sample`); the worker's turn loop returns the whole trajectory
+(roles/multiturn.py). Its reward is the sum of the environment's step rewards (no reward pool);
+an environment that failed is handled as a reward error (`task.on_reward_error`, the reason in
+the ledger). Each trajectory is one ledger entry with its turns and why it ended (a trajectory
+cut by `task.max_turns` or `task.max_total_tokens` is consumed with that reason), and its train
+sample carries the loss mask (the model's tokens only).
 """
 
 from __future__ import annotations
@@ -109,6 +117,12 @@ class Job:
             errors.append(f"task {self.task.name!r}: its prompts are chat messages, and the tokenizer "
                           f"of model.path={self.cfg.model.path!r} has no chat template to render them")
         limit = max_positions(self.cfg.model)
+        budget = self.cfg.task.max_total_tokens
+        if self.task.env_spec is not None and budget and budget > limit:
+            errors.append(f"task.max_total_tokens={budget}: exceeds the model's max_position_embeddings ({limit})")
+        if self.task.env_spec is not None and rc.max_prompt_tokens >= (budget or limit):
+            errors.append(f"rollout.max_prompt_tokens={rc.max_prompt_tokens}: leaves no room for a turn within "
+                          f"task.max_total_tokens={budget or limit}")
         if rc.max_prompt_tokens + rc.max_new_tokens > limit:
             errors.append(f"rollout.max_prompt_tokens={rc.max_prompt_tokens}: plus rollout.max_new_tokens="
                           f"{rc.max_new_tokens} exceeds the model's max_position_embeddings ({limit})")
@@ -144,10 +158,11 @@ class Job:
         groups = []
         for p, (prompt_index, record) in enumerate(self.step_prompts(step)):
             ids = self._encode(record)
+            env_sample = dict(record) if self.task.env_spec is not None else None
             groups.append([
                 GenRequest(sample_id=(step, prompt_index, s), prompt_ids=ids, max_new_tokens=rc.max_new_tokens,
                            seed=sample_seed(self.cfg.seed, step, prompt_index, s),
-                           forced_length=None if lengths is None else int(lengths[p][s]))
+                           forced_length=None if lengths is None else int(lengths[p][s]), env_sample=env_sample)
                 for s in range(rc.samples_per_prompt)])
         return groups
 
@@ -187,7 +202,8 @@ class Job:
             device, res = by_id[sid]
             ledger.generated(sample_id=sid, version=res.version, device=device, num_tokens=len(res.response_ids),
                              token_sha1=token_sha1(res.response_ids),
-                             seed=sample_seed(self.cfg.seed, *sid), versions=res.versions)
+                             seed=sample_seed(self.cfg.seed, *sid), versions=res.versions, turns=res.turns,
+                             stop_reason=res.stop_reason)
             texts[sid] = tasks.decode_response(self.tokenizer, res.response_ids)
         values, left_out, metrics = self._rewards(step, ordered, records, texts, by_id, ledger)
         rewards_out = [values[sid] for sid in ordered]
@@ -198,7 +214,8 @@ class Job:
             advantages = self._without_left_out(ordered, rewards_out, advantages, left_out)
         samples = [grpo.TrainSample(sample_id=sid, prompt_ids=self._encode(records[sid[1]]),
                                     response_ids=list(by_id[sid][1].response_ids),
-                                    rollout_logprobs=list(by_id[sid][1].logprobs), advantage=adv)
+                                    rollout_logprobs=list(by_id[sid][1].logprobs), advantage=adv,
+                                    loss_mask=tuple(by_id[sid][1].loss_mask))
                    for sid, adv in zip(ordered, advantages)]
         num_tokens = sum(len(s.response_ids) for s in samples)
         scored = [values[sid] for sid in ordered if sid not in left_out]
@@ -214,7 +231,11 @@ class Job:
         left_out: set = set()
         metrics: dict[str, list[float]] = {}
         response_ids = {sid: by_id[sid][1].response_ids for sid in ordered}
-        for sid, value, problem in self.reward_outcomes(step, ordered, records, texts, response_ids, metrics):
+        if self.task.env_spec is not None:  # the environment's rewards, its failures as reward errors
+            outcomes = [(sid, by_id[sid][1].env_reward, by_id[sid][1].env_error) for sid in ordered]
+        else:
+            outcomes = self.reward_outcomes(step, ordered, records, texts, response_ids, metrics)
+        for sid, value, problem in outcomes:
             if problem is None and value is None:  # a TRL None: left out, recorded
                 left_out.add(sid)
                 values[sid] = 0.0
@@ -254,7 +275,9 @@ class Job:
         return out
 
     def reward_reason(self, sid: tuple, problem: str) -> str:
-        """One line naming the sample and the reward function."""
+        """One line naming the sample and the reward function (or the environment that failed)."""
+        if self.task.env_spec is not None:
+            return f"sample {sample_id_str(sid)}: {problem}"
         return " ".join(f"sample {sample_id_str(sid)}: reward function {self.task.reward_spec} {problem}".split())
 
     def _without_left_out(self, ordered: list, rewards_out: list[float], advantages: list[float],

@@ -48,6 +48,8 @@ class Entry:
     times_consumed: int = 0
     reissued: str | None = None  # why it was generated again (a lost device), if it was
     versions: tuple[tuple[int, int], ...] = ()  # partial rollout: (version, first token), when several made it
+    turns: int = 0  # multi-turn: the trajectory's model turns (0: a single-turn sample)
+    stop_reason: str = ""  # multi-turn: why it ended (done | max_turns | max_total_tokens | env_error)
 
 
 @dataclass
@@ -64,7 +66,7 @@ class Ledger:
         self.expected[step] = set(ids)
 
     def generated(self, *, sample_id: SampleId, version: int, device: int, num_tokens: int,
-                  token_sha1: str, seed: int, versions: tuple = ()) -> Entry:
+                  token_sha1: str, seed: int, versions: tuple = (), turns: int = 0, stop_reason: str = "") -> Entry:
         old = self.entries.get(sample_id)
         if old is not None and old.dropped is None:
             old.times_generated += 1
@@ -74,7 +76,7 @@ class Ledger:
             self.problems.append(f"sample {sample_id_str(sample_id)} re-issued with a different seed")
         entry = Entry(sample_id=sample_id, version=version, device=device, num_tokens=num_tokens,
                       token_sha1=token_sha1, seed=seed, reissued=self.reissues.pop(sample_id, None),
-                      versions=tuple(tuple(v) for v in versions))
+                      versions=tuple(tuple(v) for v in versions), turns=int(turns), stop_reason=stop_reason)
         self.entries[sample_id] = entry
         return entry
 
@@ -168,6 +170,7 @@ def sample_record(entry: Entry) -> dict:
         "reward_error": entry.reward_error,
         "reissued": entry.reissued,
         **({"versions": [list(v) for v in entry.versions]} if entry.versions else {}),
+        **({"turns": entry.turns, "stop_reason": entry.stop_reason} if entry.turns else {}),
     }
 
 

@@ -24,6 +24,12 @@ T = the step's response tokens, N = its sequences, L = the response budget):
     seq-mean-token-sum       w_s = 1        D = N
     seq-mean-token-mean      w_s = 1 / n_s  D = N
     seq-mean-token-sum-norm  w_s = 1 / L    D = N   (Dr. GRPO)
+Multi-turn samples (roles/multiturn.py) carry a loss mask over their response: 1 on the model's
+tokens, 0 on the observations' (tool results, environment text). Every sum over t above (the
+policy gradient, the behaviour weight, the KL and entropy terms, the clip and ratio statistics)
+runs over the masked-in tokens only, and n_s and T count only those: an observation token is
+context, never a target. An empty mask means every response token is the model's.
+
 logp is taken under the sampling distribution (logits / temperature), matching the log-probs
 the rollout engine returns, and `old_logp` are the behaviour log-probs the trainer was given
 (the engine's, or recomputed: see the worker). H_t is the entropy of the sampling distribution
@@ -53,6 +59,12 @@ class TrainSample:
     rollout_logprobs: list[float]  # one per response token, from the rollout engine (the behaviour policy)
     advantage: float
     prox_logprobs: list[float] | None = None  # recomputed by the trainers before the update (decoupled PPO)
+    loss_mask: tuple[int, ...] = ()  # multi-turn: 1 per model token, 0 per observation token; empty: all 1
+
+    @property
+    def num_model_tokens(self) -> int:
+        """The response tokens the loss counts (the model's own)."""
+        return sum(1 for m in self.loss_mask if m) if self.loss_mask else len(self.response_ids)
 
     def with_logprobs(self, logprobs: Sequence[float]) -> "TrainSample":
         """The same sample with proximal log-probs recomputed by the trainers."""
@@ -102,9 +114,10 @@ def micro_batches(samples: Sequence[TrainSample], micro_batch_size: int) -> list
 
 
 def total_response_tokens(samples: Sequence[TrainSample]) -> int:
-    """The token count of a step: response tokens over all its samples (at least 1); the loss
-    denominator of `token-mean` (`loss_denominator`)."""
-    return max(1, sum(len(s.response_ids) for s in samples))
+    """The token count of a step: the model's response tokens over all its samples (at least 1;
+    observation tokens of multi-turn samples are not counted); the loss denominator of
+    `token-mean` (`loss_denominator`)."""
+    return max(1, sum(s.num_model_tokens for s in samples))
 
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -119,9 +132,9 @@ def loss_denominator(loss_agg_mode: str, *, tokens: int, sequences: int) -> int:
 
 
 def _sequence_sum(tok_loss: torch.Tensor, loss_agg_mode: str, max_response_tokens: int | None) -> torch.Tensor:
-    """w_s * sum_t l_t of the module docstring."""
+    """w_s * sum_t l_t of the module docstring (`tok_loss` holds the masked-in tokens only)."""
     if loss_agg_mode == "seq-mean-token-mean":
-        return tok_loss.sum() / tok_loss.numel()
+        return tok_loss.sum() / max(1, tok_loss.numel())
     if loss_agg_mode == "seq-mean-token-sum-norm":
         if not max_response_tokens or max_response_tokens < 1:
             raise ValueError("seq-mean-token-sum-norm needs max_response_tokens >= 1 (the response budget)")
@@ -235,6 +248,16 @@ def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[TrainSample],
         behaviour = torch.as_tensor(s.rollout_logprobs, dtype=logp.dtype, device=logp.device)
         old = behaviour if s.prox_logprobs is None else torch.as_tensor(s.prox_logprobs, dtype=logp.dtype,
                                                                         device=logp.device)
+        ref_i = None if ref_logprobs is None else torch.as_tensor(ref_logprobs[i], dtype=logp.dtype, device=logp.device)
+        ent = ents[i]
+        if s.loss_mask:  # multi-turn: the model's tokens only (observation tokens are context)
+            if len(s.loss_mask) != logp.numel():
+                raise ValueError(f"sample {s.sample_id}: loss mask of {len(s.loss_mask)} for {logp.numel()} tokens")
+            keep = torch.as_tensor(s.loss_mask, device=logp.device).bool()
+            logp, behaviour, old, ent = logp[keep], behaviour[keep], old[keep], ent[keep]
+            ref_i = None if ref_i is None else ref_i[keep]
+            if logp.numel() == 0:
+                continue
         ratio = torch.exp(logp - old)
         adv = float(s.advantage)
         unclipped = -adv * ratio
@@ -246,8 +269,8 @@ def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[TrainSample],
             tok_loss = torch.clamp(tok_loss, max=cap)
         if s.prox_logprobs is not None:
             tok_loss = tok_loss * torch.exp(old - behaviour).clamp(max=BEHAVIOUR_WEIGHT_CAP)
-        if ref_logprobs is not None:
-            ref = torch.as_tensor(ref_logprobs[i], dtype=logp.dtype, device=logp.device)
+        if ref_i is not None:
+            ref = ref_i
             if kl_estimator == "k1":
                 kl = logp - ref
             else:
@@ -257,12 +280,12 @@ def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[TrainSample],
                 tok_loss = tok_loss + kl_coef * kl
             kl_sum += float(kl.detach().sum())
         if entropy_coef != 0:
-            tok_loss = tok_loss - entropy_coef * ents[i]
+            tok_loss = tok_loss - entropy_coef * ent
         part = _sequence_sum(tok_loss, loss_agg_mode, max_response_tokens)
         total = part if total is None else total + part
         clipped += float((clipped_loss.detach() > unclipped.detach()).sum())
         ratio_sum += float(ratio.detach().sum())
-        entropy_sum += float(ents[i].detach().sum())
+        entropy_sum += float(ent.detach().sum())
         num_tokens += logp.numel()
     if total is None:  # no response tokens: a zero that still depends on the parameters
         loss = sum(p.sum() for p in model.parameters()) * 0.0

@@ -51,44 +51,50 @@ _P = inspect.Parameter
 
 def load_reward(spec: str) -> RewardFn:
     """The reward function named by `spec`; a file path is resolved against the current directory."""
+    return load_object(spec)
+
+
+def load_object(spec: str, what: str = "reward", kind: str = "function") -> Any:
+    """The callable named by `spec` (`module:name` or `path/to/file.py:name`); `what` and `kind`
+    name it in the one-line `UserError` (a reward's function, an environment's class)."""
     if not isinstance(spec, str) or spec.count(":") < 1:
-        raise UserError(f"reward {spec!r}: expected module:function or path/to/file.py:function")
+        raise UserError(f"{what} {spec!r}: expected module:{kind} or path/to/file.py:{kind}")
     target, name = spec.rsplit(":", 1)
     if not target or not name.isidentifier():
-        raise UserError(f"reward {spec!r}: expected module:function or path/to/file.py:function")
+        raise UserError(f"{what} {spec!r}: expected module:{kind} or path/to/file.py:{kind}")
     if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _load_file(spec, Path(target))
+        module = _load_file(spec, Path(target), what)
     else:
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as exc:
-            raise UserError(f"reward {spec!r}: module {exc.name!r} not found") from None
+            raise UserError(f"{what} {spec!r}: module {exc.name!r} not found") from None
         except Exception as exc:  # the user's module failed while importing
-            raise UserError(f"reward {spec!r}: importing {target} failed: {type(exc).__name__}: {exc}") from None
+            raise UserError(f"{what} {spec!r}: importing {target} failed: {type(exc).__name__}: {exc}") from None
     fn = getattr(module, name, None)
     if fn is None:
-        raise UserError(f"reward {spec!r}: {target} has no attribute {name!r}")
+        raise UserError(f"{what} {spec!r}: {target} has no attribute {name!r}")
     if not callable(fn):
-        raise UserError(f"reward {spec!r}: {target}.{name} is not callable")
+        raise UserError(f"{what} {spec!r}: {target}.{name} is not callable")
     return fn
 
 
-def _load_file(spec: str, path: Path):
+def _load_file(spec: str, path: Path, what: str = "reward"):
     path = path.expanduser().resolve()
     if not path.is_file():
-        raise UserError(f"reward {spec!r}: file {path} not found")
+        raise UserError(f"{what} {spec!r}: file {path} not found")
     # One module name per file path, so two reward files with the same stem do not collide.
     mod_name = "dynaresize_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     if mod_name in sys.modules:
         return sys.modules[mod_name]
     loader_spec = importlib.util.spec_from_file_location(mod_name, path)
     if loader_spec is None or loader_spec.loader is None:
-        raise UserError(f"reward {spec!r}: cannot load {path} as Python")
+        raise UserError(f"{what} {spec!r}: cannot load {path} as Python")
     module = importlib.util.module_from_spec(loader_spec)
     try:
         loader_spec.loader.exec_module(module)
     except Exception as exc:
-        raise UserError(f"reward {spec!r}: loading {path} failed: {type(exc).__name__}: {exc}") from None
+        raise UserError(f"{what} {spec!r}: loading {path} failed: {type(exc).__name__}: {exc}") from None
     sys.modules[mod_name] = module
     return module
 

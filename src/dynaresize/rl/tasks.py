@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from dynaresize.config import TaskConfig
 from dynaresize.errors import UserError
 from dynaresize.rl.dataset import load_dataset, schema
+from dynaresize.rl.env import AGENT_ENVS, env_spec, load_env
 from dynaresize.rl.models import CONSONANTS, pseudo_words
 from dynaresize.rl.rewards import RewardFn, check_style, detect_style, load_reward
 
@@ -52,10 +53,11 @@ _TOY_HELD_OUT_SEED = 4321  # its test split: another fixed seed, texts of the tr
 class Task:
     name: str
     prompts: list[dict]  # records with a `prompt` field (a string or chat messages); other fields go to the reward
-    reward_fn: RewardFn  # in its own style (below), as the user wrote it
+    reward_fn: RewardFn | None  # in its own style (below), as the user wrote it; None: a multi-turn task
     reward_spec: str  # how to load reward_fn again in another process (a reward worker)
-    reward_style: str = "dynaresize"  # dynaresize | verl | trl (rl.rewards)
+    reward_style: str = "dynaresize"  # dynaresize | verl | trl (rl.rewards) | env (the environment's rewards)
     about: str = ""  # one line for the run's console: the data's schema, the reward's style and why
+    env_spec: str | None = None  # multi-turn: the environment (rl.env); its step rewards are the reward
 
 
 def toy_prompts(num_prompts: int = TOY_NUM_PROMPTS, letters: str = TOY_LETTERS, seed: int = _TOY_SEED) -> list[dict]:
@@ -109,8 +111,12 @@ def toy_count_reward(prompt: str, response: str, fields: dict) -> float:
 
 
 def load_task(cfg: TaskConfig) -> Task:
-    """The task a run trains on: a dataset with a reward plug-in, or a built-in task. A bad
-    dataset, reward spec or reward signature raises a one-line UserError (before Ray starts)."""
+    """The task a run trains on: a dataset with a reward plug-in, or a built-in task; with an
+    environment (`task.env`, or a built-in multi-turn task) a multi-turn one. A bad dataset,
+    reward or environment spec or reward signature raises a one-line UserError (before Ray starts)."""
+    spec = env_spec(cfg)
+    if spec is not None:
+        return _multi_turn(cfg, spec)
     path = cfg.dataset or cfg.prompts_file
     if path is not None:
         if cfg.reward is None:
@@ -135,6 +141,28 @@ def load_task(cfg: TaskConfig) -> Task:
         return _with_reward(cfg, name, prompts, cfg.reward or f"{__name__}:toy_count_reward", "")
     raise UserError(f"task.name={name!r}: unknown task (built-in: {TOY_TASK}, {TOY_TASK}:LETTERS, {MATH_TASK}; "
                     "or set task.dataset and task.reward)")
+
+
+def _multi_turn(cfg: TaskConfig, spec: str) -> Task:
+    """A task whose samples are trajectories in environment `spec` (rl/env.py): prompts from
+    `task.dataset`, a built-in multi-turn task's, or a built-in single-turn task's."""
+    load_env(spec)  # a bad spec is one line here, before Ray
+    path = cfg.dataset or cfg.prompts_file
+    name = cfg.name.partition(":")[0]
+    if path is not None:
+        prompts = load_dataset(path, cfg.columns)
+        where = f"{path}: {schema(prompts)} schema"
+    elif name in AGENT_ENVS:
+        from dynaresize.rl import agent_task
+
+        prompts, where = (agent_task.calc_prompts() if name == "agent-calc" else agent_task.guess_prompts()), f"task {name}"
+    else:
+        base = load_task(TaskConfig(name=cfg.name))
+        prompts, where = base.prompts, f"task {cfg.name}"
+    about = (f"{where}: {len(prompts)} prompts; multi-turn in environment {spec} (up to {cfg.max_turns} turns, "
+             "the reward is the sum of its step rewards)")
+    return Task(name=str(path or cfg.name), prompts=prompts, reward_fn=None, reward_spec="", reward_style="env",
+                about=about, env_spec=spec)
 
 
 def _with_reward(cfg: TaskConfig, name: str, prompts: list[dict], spec: str, about: str) -> Task:

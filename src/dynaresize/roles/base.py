@@ -20,7 +20,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -39,6 +39,12 @@ class GenRequest:
     prefix_ids: tuple[int, ...] = ()
     prefix_logprobs: tuple[float, ...] = ()
     prefix_versions: tuple[tuple[int, int], ...] = ()
+    # Multi-turn (roles/multiturn.py): the sample record the environment is reset with (None:
+    # single-turn); a moved trajectory's history rides in the prefix: which of its tokens are
+    # the model's (1) or an observation's (0), and the (start, end) of its finished model turns.
+    env_sample: dict | None = field(default=None, compare=False)  # (a dict: left out of eq and hash)
+    prefix_mask: tuple[int, ...] = ()
+    prefix_turns: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,15 @@ class GenResult:
     # Partial rollout: (version, index of the first token it generated), ascending; empty when
     # every token came from `version`.
     versions: tuple[tuple[int, int], ...] = ()
+    # Multi-turn: 1 per model token, 0 per observation token (empty: every token is the
+    # model's; observation tokens have log-prob 0.0 and no loss), the model turns, the sum of
+    # the environment's rewards, why the trajectory ended (done | max_turns | max_total_tokens
+    # | env_error) and, for env_error, what failed.
+    loss_mask: tuple[int, ...] = ()
+    turns: int = 0
+    env_reward: float | None = None
+    stop_reason: str = ""
+    env_error: str | None = None
 
     @property
     def version_max(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dynaresize.rl.env import env_spec
 from dynaresize.rl.models import max_positions
 from dynaresize.roles import base
 from dynaresize.roles.base import RolloutEngine
@@ -22,7 +23,11 @@ def rollout_engine_from_config(cfg: Any, **kwargs: Any) -> RolloutEngine:
 
         # 0: the run's prompt + response budget (a longer prompt keeps its last max_prompt_tokens),
         # within the model's positions (vLLM refuses a longer one)
-        max_model_len = r.vllm_max_model_len or min(r.max_prompt_tokens + r.max_new_tokens, max_positions(cfg.model))
+        # (multi-turn: the trajectory's budget, task.max_total_tokens)
+        budget = r.max_prompt_tokens + r.max_new_tokens
+        if env_spec(cfg.task) is not None:
+            budget = cfg.task.max_total_tokens or max_positions(cfg.model)
+        max_model_len = r.vllm_max_model_len or min(budget, max_positions(cfg.model))
         options = dict(max_num_seqs=r.vllm_max_num_seqs, max_model_len=max_model_len,
                        kv_cache_bytes=r.vllm_kv_cache_bytes, seed=cfg.seed,
                        prefix_caching=not cfg.deterministic, dtype=base.engine_dtype(cfg),
