@@ -336,11 +336,6 @@ class RunConfig:
                      f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")
         err.need(not self.rollout.partial or (t.staleness >= 2 and not self.deterministic), "rollout.partial", True,
                  "needs train.staleness >= 2 (streaming) and deterministic = false (timing picks a token's weights)")
-        if t.staleness >= 2:  # the streaming pipeline: no recovery, no resumable checkpoint (docs/pipeline.md)
-            err.need(not self.faults, "train.staleness", t.staleness,
-                     "streaming (>= 2) does not recover from lost devices: leave faults empty, or use 0 or 1")
-            err.need(self.checkpoint.every_steps == 0, "train.staleness", t.staleness,
-                     "streaming (>= 2) writes no resumable checkpoint: set checkpoint.every_steps=0, or use 0 or 1")
         e = self.eval
         if e.every_steps and e.prompts_file is None:  # a task with no held-out prompts: config_load.check_task
             err.need(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts,

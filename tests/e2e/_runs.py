@@ -59,15 +59,15 @@ _TMP = Path(tempfile.mkdtemp(prefix="dynaresize-ref-"))
 atexit.register(shutil.rmtree, _TMP, True)
 
 
-def reference_run(devices: int = 4, rollout_devices: int = 2) -> Path:
+def reference_run(devices: int = 4, rollout_devices: int = 2, staleness: int = 1, steps: int = STEPS) -> Path:
     """The uninterrupted run of the job (made once per session; Ray must be up)."""
     from dynaresize.driver.run import run_job
 
-    key = (devices, rollout_devices)
+    key = (devices, rollout_devices, staleness, steps)
     if key not in _REFERENCE:
-        out = _TMP / f"ref-{devices}-{rollout_devices}"
-        summary = run_job(job_config(cluster__devices=devices, cluster__rollout_devices=rollout_devices), out,
-                          progress=False)
+        out = _TMP / f"ref-{devices}-{rollout_devices}-{staleness}-{steps}"
+        summary = run_job(job_config(cluster__devices=devices, cluster__rollout_devices=rollout_devices,
+                                     train__staleness=staleness, steps=steps), out, progress=False)
         assert summary["ledger_ok"], summary["ledger_problems"]
         _REFERENCE[key] = out
     return _REFERENCE[key]
@@ -88,14 +88,18 @@ def records(run_dir: Path, kind: str) -> list[dict]:
             if r["kind"] == kind]
 
 
-def assert_same_run(run_dir: Path, ref_dir: Path) -> None:
-    """Same consumed samples with the same tokens, and final parameters within 1e-6."""
+def assert_same_run(run_dir: Path, ref_dir: Path, steps: int = STEPS) -> None:
+    """Same consumed samples with the same tokens, and final parameters within 1e-6; the
+    multiset of consumed response lengths per step equal (nothing dropped for being long)."""
     from safetensors.torch import load_file
 
     got = {k: r["token_sha1"] for k, r in samples(run_dir).items() if r["consumed_step"] is not None}
     want = {k: r["token_sha1"] for k, r in samples(ref_dir).items() if r["consumed_step"] is not None}
-    assert len(want) == STEPS * 16
+    assert len(want) == steps * 16
     assert got == want, sorted(k for k in want if got.get(k) != want[k])[:5]
+    lengths = lambda d: sorted((r["consumed_step"], r["num_tokens"]) for r in samples(d).values()  # noqa: E731
+                               if r["consumed_step"] is not None)
+    assert lengths(run_dir) == lengths(ref_dir)
     w1 = load_file(str(Path(run_dir) / "checkpoint" / "model.safetensors"))
     w2 = load_file(str(Path(ref_dir) / "checkpoint" / "model.safetensors"))
     assert w1.keys() == w2.keys()

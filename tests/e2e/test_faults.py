@@ -28,15 +28,21 @@ CASES = {
 }
 
 
-def _faulted_run(tmp_path, spec: str) -> tuple[dict, object]:
+# The same points under streaming (train.staleness = 2): there is no broadcast sync, a rollout
+# device pulls a version when its next request needs it; step 3 is the first to need version 1,
+# so some engine pulls for it (a faulted device that is not the one pulling fires then too).
+STREAM_CASES = {**CASES, "weight_sync": "{kind}:1@weight_sync:3"}
+
+
+def _faulted_run(tmp_path, spec: str, staleness: int = 1) -> tuple[dict, object]:
     from dynaresize.driver.run import run_job
 
     out = tmp_path / "run"
-    summary = run_job(job_config(faults=[spec]), out, progress=False)
+    summary = run_job(job_config(faults=[spec], train__staleness=staleness), out, progress=False)
     return summary, out
 
 
-def _check_recovered(summary: dict, out, kind: str, point: str) -> dict:
+def _check_recovered(summary: dict, out, kind: str, point: str, staleness: int = 1) -> dict:
     assert summary["ledger_ok"], summary["ledger_problems"]
     assert summary["faults_injected"] == 1 and summary["faults_recovered"] == 1
     assert summary["devices_final"] == 3 and summary["world_generation"] == 1
@@ -51,7 +57,7 @@ def _check_recovered(summary: dict, out, kind: str, point: str) -> dict:
     # every consumed sample once, within the staleness bound; re-issued ones keep their seed
     samples = [r for r in records(out, "sample") if r["consumed_step"] is not None]
     assert len({s["sample_id"] for s in samples}) == len(samples) == 4 * 16
-    assert all(0 <= s["consumed_step"] - s["version"] <= 1 for s in samples)
+    assert all(0 <= s["consumed_step"] - s["version"] <= staleness for s in samples)
     assert json.loads((out / "summary.json").read_text())["faults_recovered"] == 1
     return f
 
@@ -104,3 +110,20 @@ def test_fault_matrix(ray_local, tmp_path, kind, point):
     summary, out = _faulted_run(tmp_path, CASES[point].format(kind=kind))
     _check_recovered(summary, out, kind, point)
     assert_same_run(out, reference_run())
+
+
+def test_streaming_trainer_killed_mid_step_recovers_and_equals_the_uninterrupted_run(ray_local, tmp_path):
+    """Staleness 2: requests in flight go back to the queue, the survivors re-form, the step
+    being trained starts over from the snapshot with its samples already scored."""
+    summary, out = _faulted_run(tmp_path, STREAM_CASES["train"].format(kind="kill"), staleness=2)
+    _check_recovered(summary, out, "kill", "train", staleness=2)
+    assert_same_run(out, reference_run(staleness=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", sorted(STREAM_CASES))
+@pytest.mark.parametrize("kind", ["kill", "stop"])
+def test_streaming_fault_matrix(ray_local, tmp_path, kind, point):
+    summary, out = _faulted_run(tmp_path, STREAM_CASES[point].format(kind=kind), staleness=2)
+    _check_recovered(summary, out, kind, point, staleness=2)
+    assert_same_run(out, reference_run(staleness=2))

@@ -159,3 +159,42 @@ def test_resume_on_the_same_devices_keeps_the_policy_state(first4, tmp_path):
     assert_same_run(out, reference_run())
     assert len(samples(out)) == 4 * 16
     _assert_workload_lengths(out)
+
+
+class _Crash(Exception):
+    """The driver dies right after a periodic checkpoint (the test's stand-in for a killed process)."""
+
+
+def test_streaming_run_checkpointed_stopped_and_resumed_on_three_devices_equals_the_uninterrupted_run(
+        ray_local, tmp_path, monkeypatch):
+    """Staleness 2, checkpoint every 2 steps, a 4-step run stopped just after the checkpoint of
+    step 2 (steps 2 and 3 in flight then), resumed on 3 of its 4 devices with 6 steps: the
+    checkpoint kept the samples already generated (they are not generated again) and every weight
+    version the steps in flight need; the run equals the uninterrupted 6-step run."""
+    from dynaresize.driver.checkpointing import Checkpointer, load_resume_point
+    from dynaresize.driver.run import run_job
+
+    out = tmp_path / "run"
+    periodic = Checkpointer.periodic
+
+    def crash_after(self, boundary):
+        periodic(self, boundary)
+        if boundary == 2:
+            raise _Crash
+
+    monkeypatch.setattr(Checkpointer, "periodic", crash_after)
+    with pytest.raises(_Crash):
+        run_job(job_config(train__staleness=2, checkpoint__every_steps=2), out, progress=False)
+    monkeypatch.undo()
+    point = load_resume_point(out)
+    assert point.boundary == 2 and point.rollout_version == 0
+    assert sorted(p.name for p in point.step_dir.iterdir() if p.name.startswith("rollout")) == ["rollout", "rollout-v1"]
+    kept = {tuple(r.sample_id) for results in point.stream_samples.values() for _, r in results}
+    assert kept and all(sid[0] >= 2 for sid in kept)  # samples of the steps in flight, generated before the stop
+    assert _resume(out, "--steps", "6", "--devices", "3", "--rollout-devices", "1") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ledger_ok"], summary["ledger_problems"]
+    assert_same_run(out, reference_run(staleness=2, steps=6), steps=6)
+    resumed = [r for r in records(out, "sample") if r["consumed_step"] is not None
+               and tuple(int(x) for x in r["sample_id"].split("-")) in kept]
+    assert len(resumed) == len(kept) and all(r["reissued"] is None for r in resumed)

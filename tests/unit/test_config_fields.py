@@ -759,6 +759,33 @@ def _job(cfg: RunConfig) -> Any:
     return Job(cfg)
 
 
+# A multi-turn task small enough to run in a probe: one prompt group of the guessing game.
+AGENT = {"task": {"name": "agent-guess"},
+         "rollout": {"synthetic_lengths": False, "max_new_tokens": 8, "prompts_per_step": 1, "max_prompt_tokens": 16}}
+
+
+def _trajectories(cfg: RunConfig) -> tuple:
+    """Step 0's first prompt group through the worker's turn loop (`make_turn_loop`) around
+    the configured engine with the initial weights: each result's turns, stop reason, tokens
+    and environment error; and the loop's environment deadline."""
+    from dynaresize.cluster.worker_serve import make_turn_loop
+    from dynaresize.driver.job import Job
+    from dynaresize.rl.env import env_spec
+    from dynaresize.rl.models import build_model
+    from dynaresize.roles.factory import rollout_engine_from_config
+    from dynaresize.roles.multiturn import TurnEngine
+
+    reqs = Job(cfg).requests(0)[0]
+    with mock.patch("dynaresize.roles.base.resolve_engine", return_value="hf"):
+        engine = rollout_engine_from_config(cfg)
+    engine.set_weights(build_model(cfg.model).state_dict(), 0)
+    spec = env_spec(cfg.task)
+    loop = make_turn_loop(cfg, spec) if spec else None
+    out = (loop or engine) and (TurnEngine(engine, loop) if loop else engine).generate(reqs)
+    return ([(r.turns, r.stop_reason, len(r.response_ids), r.env_error) for r in out],
+            loop.timeout_s if loop else None)
+
+
 # ---------------------------------------------------------------- the table
 
 OTHER_BACKEND = "gloo" if torch.cuda.is_available() else "nccl"  # the one `auto` does not pick here
@@ -824,6 +851,22 @@ EVIDENCE: dict[str, tuple] = {
                                       "a hung reward times out after the deadline, scored 0 with the sample id")),
     "task.reward": (Probe(LENGTH_REWARD, _scores),),
     "task.on_reward_error": (Probe("zero", _scores, base={"task": {"reward": BROKEN_REWARD}}),),
+    "task.env": (Probe("dynaresize.rl.agent_task:CalculatorEnv", _trajectories, base=AGENT | {"task": {}}),
+                 Refused("nowhere_at_all:Env", "task.env 'nowhere_at_all:Env': module 'nowhere_at_all' not found",
+                         via=_job, base=AGENT | {"task": {}}),
+                 Runtime("tests/e2e/test_agent_run.py::test_a_multi_turn_run_with_resizes_equals_a_static_run",
+                         "the calculator environment's trajectories run 1-3 turns on the real runtime")),
+    "task.max_turns": (Probe(1, _trajectories, base=AGENT),
+                       Refused(2, "task.max_turns=2: only read by a multi-turn task")),
+    "task.max_total_tokens": (Probe(24, _trajectories, base=AGENT),
+                              Refused(64, "task.max_total_tokens=64: only read by a multi-turn task"),
+                              Refused(16, "rollout.max_prompt_tokens=16: leaves no room for a turn within "
+                                          "task.max_total_tokens=16", via=_job, base=AGENT)),
+    "task.env_timeout_s": (Probe(0.5, _trajectories, base=AGENT),
+                           Refused(0, "task.env_timeout_s=0.0: must be > 0"),
+                           Runtime("tests/unit/test_multiturn.py::"
+                                   "test_an_environment_that_fails_ends_its_trajectory_with_the_reason",
+                                   "an environment call past the deadline ends its trajectory with 'timed out after'")),
     "task.chat_template": (Probe(True, _requests, base={"model": {"path": HF_DIR}}),
                            Refused(True, "task.chat_template=True", via=_job),
                            Runtime("tests/e2e/test_user_model.py::"
@@ -875,7 +918,8 @@ EVIDENCE: dict[str, tuple] = {
                               "with kl_coef=0.05 the recorded KL is 0 at step 0 and > 0 after")),
     "train.micro_batch_size": (Probe(1, _train_steps),),
     "train.staleness": (Probe(0, _staleness), Probe(2, _staleness), Refused(5, "train.staleness=5"),
-                        Refused(2, "train.staleness=2", base={"faults": ["kill:1@train:2"]}),
+                        Runtime("tests/e2e/test_faults.py::test_streaming_trainer_killed_mid_step_recovers_and_equals_the_uninterrupted_run",
+                                "with staleness=2 a lost trainer is recovered in-run and the run equals the uninterrupted one"),
                         Runtime("tests/e2e/test_staleness_run.py::test_staleness_2_with_resizes_keeps_the_ledger_and_the_bound",
                                 "with staleness=2 every sample's version is max(0, consumed_step - 2), the bound reached")),
     "train.dtype": (Probe("bf16", _sharded), Probe("bf16", _behaviour_logprobs)),

@@ -87,11 +87,11 @@ class DriverPacing:
     def on(self) -> bool:
         return self.emulator is not None
 
-    def call(self, worker: Any, method: str, *args: Any, pace_s: float | None = None) -> Any:
-        """`worker.method.remote(*args)`, paced to `pace_s` emulated seconds from now when emulating."""
+    def call(self, worker: Any, method: str, *args: Any, pace_s: float | None = None, **kwargs: Any) -> Any:
+        """`worker.method.remote(*args, **kwargs)`, paced to `pace_s` emulated seconds from now when emulating."""
         if self.emulator is None or pace_s is None:
-            return getattr(worker, method).remote(*args)
-        return worker.paced.remote(time.time(), pace_s, method, *args)
+            return getattr(worker, method).remote(*args, **kwargs)
+        return worker.paced.remote(time.time(), pace_s, method, *args, **kwargs)
 
     def stamp(self, result: Any, start: float, pace_s: float | None) -> Any:
         """A background op's result as if paced to `pace_s` emulated seconds from `start`

@@ -94,6 +94,7 @@ class StreamRouter:
         self.calls: list[tuple[int, int, float, float]] = []  # (device, step, t0, t1) ended since `take_calls`
         self.pulls: list[dict] = []  # weight pulls ended since `take_pulls`
         self.items_per_step: dict[int, int] = {}  # step -> items it was cut into
+        self.put_back_ids: list = []  # requests of lost engines put back, until `abandon`
 
     # ------------------------------------------------------------------ steps and engines
 
@@ -103,7 +104,8 @@ class StreamRouter:
         items = self.cluster.pacing.rollout_chunks(step, groups, n, stream=True)
         self.items_per_step[step] = len(items)
         self.queue.release(step, items)
-        self.buffers[step] = StepRollout(step=step, remaining=[], t0=time.time())
+        # a resumed run's step may already hold the samples its checkpoint kept
+        self.buffers.setdefault(step, StepRollout(step=step, remaining=[], t0=time.time()))
 
     def set_engines(self, devices, version: int) -> None:
         for d in devices:
@@ -129,11 +131,13 @@ class StreamRouter:
                 if nxt is None:
                     break
                 now, pull_s = time.time(), 0.0
+                c.reach("rollout", nxt.step, [d])  # the fault point of generating (cluster/faults.py)
                 if nxt.pull:
                     snap = self.weights(nxt.version)
+                    c.reach("weight_sync", nxt.step, [d])  # the fault point of a pull (cluster/faults.py)
                     pull = c.pacing.call(c.workers[d], "restore_rollout", nxt.version, snap.metas, *snap.params,
-                                         pace_s=c.pacing.sync_s())
-                    if self.digests is not None:
+                                         pace_s=c.pacing.sync_s(), step=nxt.step)
+                    if self.digests is not None and nxt.version in self.digests:
                         pull = (pull, c.workers[d].engine_digest.remote())
                     e.pulls.append((nxt.step, pull))
                     pull_s = c.pacing.wall_s(c.pacing.sync_s())
@@ -253,7 +257,7 @@ class StreamRouter:
         version = int(r["version"])
         if digest_ref is not None:
             got = ray.get(digest_ref)
-            if got != self.digests[version]:
+            if got != self.digests.get(version, got):
                 raise RuntimeError(f"weight pull of version {version} (step {step}): the engine on device "
                                    f"{self.cluster.ids[d]} does not hold the trainers' weights (digest mismatch)")
         self.pulls.append({**r, "device": self.cluster.ids[d]})
@@ -263,10 +267,34 @@ class StreamRouter:
             e = self.engines.get(d)
             for item in list(e.items if e else ()):
                 reqs = list(item.pending.values())
+                self.put_back_ids += [tuple(r.sample_id) for r in reqs]
                 self.queue.put_back(d, item.step, self.cluster.pacing.moved_item(item.step, reqs, item.requests))
             if e is not None:
                 self.engines[d] = _Engine()
         raise DevicesLost(lost, where)
+
+    # ------------------------------------------------------------------ recovery
+
+    def abandon(self) -> list:
+        """Devices were lost (a recovery follows, which renumbers the survivors and restores
+        their engines, dropping what they run): every request not delivered goes back to the
+        front of the queue with its sample id and seed, and no engine is known any more.
+        Returns the sample ids that went back (a lost engine's went back when it was found)."""
+        back = list(self.put_back_ids)
+        self.put_back_ids = []
+        for d, e in self.engines.items():
+            for item in sorted(e.items, key=lambda it: -it.step):
+                reqs = list(item.pending.values())
+                self.queue.put_back(d, item.step, self.cluster.pacing.moved_item(item.step, reqs, item.requests))
+                back += [tuple(r.sample_id) for r in reqs]
+        for d in list(self.engines):
+            self.remove_engines([d])
+        self.queue.closed.clear()
+        return back
+
+    def reset(self, devices, version: int) -> None:
+        """After a recovery: the rollout devices (new ranks) hold `version`."""
+        self.set_engines(devices, version)
 
     # ------------------------------------------------------------------ moves, drains, pulls
 

@@ -162,7 +162,8 @@ def restore(cluster: Any, train: Snapshot, rollout: Snapshot) -> list[dict]:
         metas, refs = train.train_args([list(p) for p in new.rank_pieces(d)])
         calls.append((d, cluster.workers[d].restore_train.remote(metas, trainers, *refs)))
     for d in rollers:
-        calls.append((d, cluster.workers[d].restore_rollout.remote(rollout.version, rollout.metas, *rollout.params)))
+        calls.append((d, cluster.workers[d].restore_rollout.remote(rollout.version, rollout.metas, *rollout.params,
+                                                                   fresh=True)))
     return cluster.wait(calls, "restore")
 
 

@@ -140,8 +140,16 @@ class RecoveryMixin:
         self.trainer, self.train_ranks, self.role = trainer, ranks, "train"
         return {"t0": t0, "t1": time.time(), "device": self.device, "version": trainer.step}
 
-    def restore_rollout(self, version: int, metas: list[dict], *params: np.ndarray) -> dict:
-        """Become a rollout device holding the weights of `version` (every shard's parameters)."""
+    def restore_rollout(self, version: int, metas: list[dict], *params: np.ndarray, step: int | None = None,
+                        fresh: bool = False) -> dict:
+        """Become a rollout device holding the weights of `version` (every shard's parameters).
+        `step`: a streaming pull for that step (its `weight_sync` fault point); `fresh`: a
+        recovery, whose router re-issues every request, so the engine's running ones are dropped."""
+        if step is not None:
+            self._maybe_fault("weight_sync", step)
+        if fresh and self.engine is not None and self._served():
+            self.engine.abort(list(self._served()))
+            self._forget_requests()
         t0 = time.time()
         source = _source(metas, [{"param": p} for p in params], partial=False)
         self._load_engine(source.read("param", 0, source.numel, dtype=torch.float32), version)

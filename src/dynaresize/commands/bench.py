@@ -1,9 +1,11 @@
-"""`dynaresize bench {sim,resize}`: benchmarks.
+"""`dynaresize bench {sim,resize,checkpoint}`: benchmarks.
 
 - `bench sim`: wall time of one policy simulated on a large cluster (default 1,024 devices x
   1,000 steps of longtail-drift, hysteresis). Writes DIR/bench_sim.json when --out is given.
 - `bench resize`: measured resize costs on real workers; implemented in
   `dynaresize.commands.bench_resize` (imported only when asked for).
+- `bench checkpoint`: a streaming checkpoint's seconds and bytes against a step's time, on real
+  workers (`dynaresize.commands.bench_checkpoint`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: simulator speed (sim) and measured resize costs (resize)")
+    p = sub.add_parser("bench", help="benchmarks: simulator speed (sim), measured resize costs (resize), "
+                                     "a streaming checkpoint's cost (checkpoint)")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     s = actions.add_parser("sim", help="wall time of one policy on a large simulated cluster")
@@ -40,10 +43,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="override one run-config field, e.g. --set rollout.engine=vllm (repeatable)")
     r.set_defaults(func=main)
 
+    c = actions.add_parser("checkpoint", help="a streaming checkpoint's seconds and bytes, as a ratio to a step's time")
+    c.add_argument("--params", type=float, default=4e7, help="model parameters (default ~40M)")
+    c.add_argument("--steps", type=int, default=4, help="steps of the streaming run (a checkpoint after each)")
+    c.add_argument("--out", metavar="DIR", default=None, help="output directory")
+    c.set_defaults(func=main)
+
 
 def main(args: argparse.Namespace) -> int:
     if args.action == "sim":
         return bench_sim(args)
+    if args.action == "checkpoint":
+        return int(importlib.import_module("dynaresize.commands.bench_checkpoint").main(args) or 0)
     if importlib.util.find_spec("dynaresize.commands.bench_resize") is None:
         print("dynaresize bench resize: not available in this build (module dynaresize.commands.bench_resize is missing)",
               file=sys.stderr)

@@ -74,6 +74,12 @@ class StepAccumulator:
         for s in part.samples:
             self.samples[tuple(s.sample_id)] = s
 
+    def restart(self) -> None:
+        """The trainers lost what they had accumulated (a recovery restored the state before the
+        step): every micro-batch is handed out again; scored samples stay scored (a sample is
+        scored, and enters the ledger, once)."""
+        self.sent.clear()
+
     def take_ready(self) -> list[tuple[int, list[grpo.TrainSample]]]:
         """Micro-batches (index, samples) whose samples are all scored and not handed out yet,
         by index; they are marked handed out."""

@@ -9,13 +9,22 @@ Layout of `RUN_DIR/checkpoint/` (beside the final policy in HF format, `config.j
                                  shards, sha256 each, manifest written last; loads at any W)
       rollout/                   parameters of version rollout_version(S): the weights that
                                  generate the samples of step S (one step off: S-1)
+      rollout-vV/                streaming (staleness ETA >= 2) only: parameters of each version
+                                 V = S-ETA+1 .. S-1, which the steps in flight S+1 .. S+ETA-1
+                                 are generated with (version S is the trainer state's)
       driver.pkl                 driver state at the boundary: ledger of steps < S, controller
                                  and policy, rewards, resizes, fault counters, records offset
       driver.json                written last in the directory: digests of the three above
 
 A checkpoint "of step S" is the boundary before step S: S optimizer steps applied, the
 samples of steps < S consumed, none of step S generated (they are regenerated on resume with
-the same ids, seeds and weights, so a resumed run equals an uninterrupted one).
+the same ids, seeds and weights, so a resumed run equals an uninterrupted one). A streaming
+checkpoint is the same cut with the steps in flight: it keeps the samples of steps >= S already
+generated (`driver.pkl`'s `stream_samples`; a resume keeps them and re-issues only the others)
+and every weight version those steps still need. Samples are kept and weights stored because
+both are needed: a step's unfinished samples need its version's weights, and regenerating the
+finished ones would cost their rollout again; the samples are token ids, small beside one copy
+of the weights. Prompts are a function of the step (the data position is the step itself).
 
 Crash safety: a checkpoint is written into a new directory (a fresh name), complete with
 `driver.json`, before `latest.json` is replaced (tmp + rename) to point at it; older
@@ -119,6 +128,9 @@ class Checkpointer:
         out.mkdir(parents=True)
         write_checkpoint(run.snapshots[boundary], out / "trainer")
         write_checkpoint(run.snapshots[rv], out / "rollout", params_only=True)
+        extra = stream_versions(boundary, run.cfg.train.staleness)
+        for v in extra:
+            write_checkpoint(run.snapshots[v], out / f"rollout-v{v}", params_only=True)
         offset = run.rec.path.stat().st_size  # the recorder flushes every line
         state = {
             "format": FORMAT, "boundary": boundary, "rollout_version": rv, "ledger": run.ledger.state_before(boundary),
@@ -128,11 +140,14 @@ class Checkpointer:
             "stats": {**run.stats, "faults_injected": run.stats["faults_injected"] + run.cluster.faults.num_fired,
                       "elapsed_s": t0 - run.t0},
             "records_offset": offset,
+            "stream_samples": {s: list(buf.results) for s, buf in run.rollouts.items()
+                               if s >= boundary and run.cfg.train.staleness >= 2},
         }
         _write_atomic(out / "driver.pkl", pickle.dumps(state))
         digests = {"driver.pkl": _sha256(out / "driver.pkl"),
                    "trainer/manifest.json": _sha256(out / "trainer" / "manifest.json"),
-                   "rollout/manifest.json": _sha256(out / "rollout" / "manifest.json")}
+                   "rollout/manifest.json": _sha256(out / "rollout" / "manifest.json"),
+                   **{f"rollout-v{v}/manifest.json": _sha256(out / f"rollout-v{v}" / "manifest.json") for v in extra}}
         _write_atomic(out / "driver.json", json.dumps({"format": FORMAT, "step": boundary, "rollout_version": rv,
                                                        "records_offset": offset, "kind": kind,
                                                        "sha256": digests}, indent=1).encode())
@@ -141,7 +156,9 @@ class Checkpointer:
             if old.is_dir() and old.name.startswith("step-") and old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
         run.rec.emit("checkpoint", step=boundary, path=str(out), cause=kind, seconds=time.time() - t0,
-                     records_offset=offset, rollout_version=rv)
+                     records_offset=offset, rollout_version=rv, weight_versions=1 + len(extra),
+                     stream_samples=sum(len(v) for v in state["stream_samples"].values()),
+                     bytes=sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
         return out
 
 
@@ -177,15 +194,23 @@ class ResumePoint:
                                                                       self.rollout_version)) for d in roll]
         cluster.wait(calls, "resume: load checkpoint")
 
-    def rollout_snapshot(self) -> Any:
-        """The rollout weights as a parameters-only snapshot (for a recovery before the first sync)."""
+    def rollout_snapshot(self, version: int | None = None) -> Any:
+        """Rollout weights of `version` (default: the oldest the checkpoint holds) as a
+        parameters-only snapshot (for a recovery before the first sync, or a streaming pull)."""
         from dynaresize.cluster.snapshot import params_only
         from dynaresize.roles.checkpoint import CheckpointReader
 
-        reader = CheckpointReader(self.step_dir / "rollout")
+        version = self.rollout_version if version is None else version
+        sub = "rollout" if version == self.rollout_version else f"rollout-v{version}"
+        reader = CheckpointReader(self.step_dir / sub)
         m = reader.manifest
         meta = {"scalars": m["scalars"], "params": m["params"], "settings": m.get("settings", {})}
-        return params_only(self.rollout_version, reader.read("param", 0, m["numel"]).numpy(), meta)
+        return params_only(version, reader.read("param", 0, m["numel"]).numpy(), meta)
+
+    @property
+    def stream_samples(self) -> dict[int, list]:
+        """Streaming: step -> (device, GenResult) of the samples generated before the checkpoint."""
+        return dict(self.driver.get("stream_samples") or {})
 
 
 def _verify_dir(directory: Path) -> dict:
@@ -202,6 +227,14 @@ def _verify_dir(directory: Path) -> dict:
         if _sha256(path) != info["sha256"]:
             raise CheckpointError(f"checkpoint {directory}: shard {info['file']} sha256 mismatch (corrupt)")
     return manifest
+
+
+def stream_versions(boundary: int, staleness: int) -> list[int]:
+    """Versions a streaming checkpoint of step `boundary` stores beside its oldest (`rollout/`)
+    and the trainer state: those of the steps in flight, boundary-staleness+1 .. boundary-1."""
+    if staleness < 2:
+        return []
+    return list(range(rollout_version(boundary, staleness) + 1, boundary))
 
 
 def load_resume_point(run_dir: str | Path) -> ResumePoint:
@@ -232,7 +265,7 @@ def load_resume_point(run_dir: str | Path) -> ResumePoint:
             raise CheckpointError(f"checkpoint {step_dir}: {rel} missing (partial checkpoint)")
         if _sha256(path) != digest:
             raise CheckpointError(f"checkpoint {step_dir}: {rel} sha256 mismatch (corrupt)")
-    for sub in ("trainer", "rollout"):
+    for sub in ("trainer", "rollout", *(rel.split("/")[0] for rel in digests if rel.startswith("rollout-v"))):
         _verify_dir(step_dir / sub)
     try:
         driver = pickle.loads((step_dir / "driver.pkl").read_bytes())

@@ -35,7 +35,8 @@ from dynaresize.config import RunConfig
 from dynaresize.config_load import config_to_dict
 from dynaresize.control.controller import Controller, decision_fields
 from dynaresize.control.state import Refusal
-from dynaresize.driver.checkpointing import Checkpointer, ResumePoint, end_partial_line, resume_records
+from dynaresize.driver.checkpointing import (Checkpointer, ResumePoint, end_partial_line, resume_records,
+                                             stream_versions)
 from dynaresize.driver.console import progress_bar, say
 from dynaresize.driver.evaluation import Evaluator
 from dynaresize.driver.job import Job, ScoredStep
@@ -57,22 +58,17 @@ from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan, StepReport
 OP_EXTRAS = ("peak_staging_bytes", "kv_cache_bytes", "requests_moved")  # op-record fields only some ops have
 
 
-def moved_field(ops: list[dict]) -> dict:
-    """A resize record's `requests_moved`: what its migrate_requests ops handed on (rollout -> train)."""
-    moved = [op["requests_moved"] for op in ops if "requests_moved" in op]
-    return {"requests_moved": sum(moved)} if moved else {}
-
-
 class Run(StepReporting):
     """One job's driver state: records, ledger, controller, the device cluster and snapshots."""
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, progress: bool = True,
                  resume: ResumePoint | None = None) -> None:
-        if resume is not None and cfg.train.staleness >= 2:
+        saved = resume.config["train"]["staleness"] if resume is not None else cfg.train.staleness
+        if saved != cfg.train.staleness and max(saved, cfg.train.staleness) >= 2:
             from dynaresize.errors import ConfigError
 
-            raise ConfigError([f"train.staleness={cfg.train.staleness}: a streaming run (>= 2) cannot be resumed "
-                               "(its checkpoints hold one rollout version, it needs several; docs/pipeline.md)"])
+            raise ConfigError([f"train.staleness={cfg.train.staleness}: the checkpoint's run streams with "
+                               f"staleness {saved}; a streaming run resumes with the same staleness (docs/pipeline.md)"])
         self.job = Job(cfg)  # first: a bad prompt file, reward spec or fault spec stops here, nothing written
         self.evaluator = Evaluator(cfg, self.job)  # held-out prompts (eval.*): checked before anything is written
         parse_faults(cfg.faults, cfg.cluster.devices)
@@ -156,9 +152,11 @@ class Run(StepReporting):
                         self.evaluator.run(w.step, self.cluster, self.rec.emit, self.rel)
                     self.ckpt.periodic(w.step + 1)
                 except DevicesLost as lost:
-                    if self.stream:  # no recovery under streaming (config refuses faults): a clean stop
-                        stop_run(self, w, f"{lost}; recovery is not supported with train.staleness >= 2")
+                    if self.stream:  # the router's requests in flight go back to its queue
+                        self.stream.before_recovery()
                     self.recovery.recover(w, lost)  # or stops the run with a checkpoint (RunStopped)
+                    if self.stream:
+                        self.stream.after_recovery()
                     continue
                 except RewardError as exc:
                     stop_run(self, w, f"step {w.step}: {exc}")
@@ -180,6 +178,8 @@ class Run(StepReporting):
         rv = rollout_version(v, self.cfg.train.staleness)
         if rv != v:
             self.snapshots[rv] = self.resume.rollout_snapshot()
+            for u in stream_versions(v, self.cfg.train.staleness):  # streaming: the steps in flight's
+                self.snapshots[u] = self.resume.rollout_snapshot(u)
         if self.stream:
             self.stream.start()
 
@@ -330,7 +330,8 @@ class Run(StepReporting):
                             critical_s=self.timing.clock.span(o.t_decide, o.critical_end),
                             total_s=self.timing.clock.span(o.t_decide, total_end),
                             t_s=self.rel(o.t_decide), groups_created_critical=o.groups_created_critical,
-                            reason=plan.reason, **moved_field(o.ops))
+                            reason=plan.reason, **({"requests_moved": sum(op["requests_moved"] for op in moved)}
+                                                   if (moved := [op for op in o.ops if "requests_moved" in op]) else {}))
         self.resizes.append(rec)
 
     # ------------------------------------------------------------------ outputs

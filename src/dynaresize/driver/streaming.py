@@ -31,9 +31,13 @@ version its trainers just made (k+1) and pulls another one when its first item n
 Each window also records, per rollout device, its requests in flight over time
 (`concurrency` records, a figure in `dynaresize report`).
 
-Not supported under streaming (refused as config errors naming `train.staleness`, exit 2):
-faults (recovery) and periodic checkpoints; `--resume` of a streaming run is refused too. A
-device lost anyway stops the run cleanly (recovery.stop_run).
+Faults and node loss (driver/recovery.py, as one-step-off): the router puts every request not
+yet delivered back in the queue (`before_recovery`), the survivors re-form and get the trainer
+state of the last snapshot, and the window goes on where it stood: delivered samples are kept,
+the rest re-issued with their ids and seeds and the version of their step; a step being
+trained starts over from the restored state with its samples already scored.
+Checkpoints (driver/checkpointing.py) hold the weight versions the steps in flight need and the
+samples they already have; `--resume` keeps those samples and re-issues the rest.
 """
 
 from __future__ import annotations
@@ -62,14 +66,20 @@ class Streaming:
         run.cluster.migrator = self.router.migrate  # the plan's migrate_requests op (cluster.py)
         self.window_calls: list[tuple[int, float, float]] = []
         self.expected: dict[int, list] = {}  # released step -> its sample ids
+        self.accs: dict[int, StepAccumulator] = {}  # step being trained -> its samples (kept across a recovery)
         self.train_parts: dict[int, list[tuple[float, float]]] = {}  # step -> (t0, t1) of each training call
 
     def start(self) -> None:
-        """Engines hold version 0 (`Cluster.start`); its digest for the pull checks."""
+        """Engines hold version 0 (`Cluster.start`), or on a resume the checkpoint's oldest
+        (`run.engine_version`), with the samples the checkpoint kept; the trainers' digest of
+        their version for the pull checks (a resumed run's older versions are not checked)."""
         run = self.run
-        self.router.set_engines(run.assignment.devices(ROLLOUT), 0)
+        self.router.set_engines(run.assignment.devices(ROLLOUT), run.engine_version)
         if self.digests is not None:
-            self.digests[0] = run.cluster.param_digest()
+            self.digests[run.start_step] = run.cluster.param_digest()
+        if run.resume is not None:
+            for s, results in sorted(run.resume.stream_samples.items()):
+                run.rollouts[s] = StepRollout(step=s, remaining=[], results=list(results), t0=time.time())
 
     def keep_from(self, step: int) -> int:
         """The oldest weight version window `step` may still need (its own step's)."""
@@ -85,7 +95,9 @@ class Streaming:
                 run._expect(s)
                 groups = run.job.requests(s)
                 self.expected[s] = [r.sample_id for g in groups for r in g]
-                router.release(s, groups)
+                kept = {tuple(res.sample_id) for _, res in run.rollouts[s].results} if s in run.rollouts else set()
+                groups = [g for g in ([r for r in g if tuple(r.sample_id) not in kept] for g in groups) if g]
+                router.release(s, groups)  # a resumed run re-issues only what its checkpoint did not keep
         router.queue.forget_before(step)
         problems = router.queue.check_bounds(step)
         if problems:
@@ -117,8 +129,13 @@ class Streaming:
         group once complete, hand each micro-batch to the trainers once its groups are scored,
         the optimizer step with the last one. Returns the scored step and the last call's stats."""
         run = self.run
-        acc = StepAccumulator(step, self.expected.pop(step), micro_batch_size=run.cfg.train.micro_batch_size,
-                              samples_per_prompt=run.cfg.rollout.samples_per_prompt)
+        acc = self.accs.get(step)
+        if acc is None:
+            acc = self.accs[step] = StepAccumulator(step, self.expected.pop(step),
+                                                    micro_batch_size=run.cfg.train.micro_batch_size,
+                                                    samples_per_prompt=run.cfg.rollout.samples_per_prompt)
+        else:  # again after a recovery: the trainers start the step over from the restored state
+            acc.restart()
         buf, parts, first = run.rollouts[step], [], True
         while True:
             if pump.done():  # the router's thread ended before step `step` was in: its error
@@ -137,6 +154,7 @@ class Streaming:
             parts.append((min(o["t0"] for o in out), max(o["t1"] for o in out)))
             if last:
                 self.train_parts[step] = parts
+                del self.accs[step]
                 return acc.scored_step(), out
             for o in out:  # the last call's spans come with the step's (`Run._trained`)
                 run.rec.emit("span", device=o["device"], name="train", start_s=run.rel(o["t0"]),
@@ -177,6 +195,17 @@ class Streaming:
                            t1=buf.t1 if buf and buf.t1 else window_t0)
 
     # ------------------------------------------------------------------ resizes and evaluation
+
+    def before_recovery(self) -> None:
+        """Devices were lost: every request not delivered goes back to the queue (router.abandon)."""
+        self._spans()
+        for sid in self.router.abandon():
+            self.run.ledger.note_reissue(sid, "its device was lost (in flight)")
+
+    def after_recovery(self) -> None:
+        """The survivors' rollout devices hold `run.engine_version` (recovery restored it)."""
+        run = self.run
+        self.router.reset(run.assignment.devices(ROLLOUT), run.engine_version)
 
     def after_resize(self, plan: ResizePlan, version: int) -> None:
         left = [d for d in plan.src.devices(ROLLOUT) if d not in plan.dst.devices(ROLLOUT)]
