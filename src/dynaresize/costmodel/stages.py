@@ -65,13 +65,15 @@ class _BatchData:
         self.batch = batch
         L = batch.response_tokens.astype(np.float64)
         P = batch.prompt_tokens.astype(np.float64)
-        self.L = L
         self.work = c.t_kv * (P * L + L * (L + 1.0) / 2.0) + c.t_flop * L + c.t_prefill * P
+        # Slot steps: a multi-turn trajectory holds its slot (and KV) through its tool waits, as if
+        # it decoded wait_s / t_weights more tokens, with no work (workload.batch_for_step).
+        self.L = L if batch.wait_s is None else L + np.asarray(batch.wait_s, dtype=np.float64) / c.t_weights
         footprint = float(P.mean() + L.mean() / 2.0) if L.size else 1.0
         self.slots = int(max(1, min(c.max_num_seqs, math.floor(c.kv_capacity_tokens / max(footprint, 1.0)))))
-        i = int(np.argmax(L)) if L.size else 0
+        i = int(np.argmax(self.L)) if L.size else 0
         self.longest_index = i
-        self.floor_s = float(L[i] * c.t_weights + self.work[i]) if L.size else 0.0
+        self.floor_s = float(self.L[i] * c.t_weights + self.work[i]) if L.size else 0.0
         self.work_cum = np.concatenate([[0.0], np.cumsum(self.work)])
         seq = P + L
         self.seq_sum = float(seq.sum())
@@ -330,7 +332,7 @@ class StageModel:
         """`train_chunk_device_s` for arbitrary sample positions of batch `b` (a migrated chunk)."""
         d = self.data(b)
         pos = np.asarray(positions, dtype=np.int64)
-        seq = d.batch.prompt_tokens[pos].astype(np.float64) + d.L[pos]
+        seq = (d.batch.prompt_tokens[pos] + d.batch.response_tokens[pos]).astype(np.float64)  # tokens, not slot steps
         return train_device_s(self.model, float(seq.sum()), float((seq * seq).sum()), self.hw)
 
     def train(self, b: int, num_train: int) -> TrainTime:

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from dynaresize.errors import ConfigError, TraceError
-from dynaresize.workload.lengths import WORKLOADS, WorkloadSpec, get_workload, sample_lengths, sample_lengths_array
+from dynaresize.workload.lengths import (WORKLOADS, WorkloadSpec, get_workload, multi_turn, sample_lengths,
+                                        sample_lengths_array)
 from dynaresize.workload.trace import Batch, load_trace, load_trace_steps
 
 SAMPLES_PER_PROMPT = 16  # the simulator's GRPO group size (RollPacker's 8-16 samples per prompt)
@@ -82,11 +83,17 @@ def batch_for_step(workload: str, step: int, n: int, seed: int, *,
                    samples_per_prompt: int = SAMPLES_PER_PROMPT, horizon_steps: int | None = None) -> Batch:
     """Step `step`'s first `n` samples at the workload's own lengths, with their prompt lengths:
     a named workload's `prompt_tokens` for every sample, a trace's own prompt lengths. The
-    simulator and the emulated runtime size their work from this one batch."""
+    simulator and the emulated runtime size their work from this one batch. A multi-turn
+    workload's sample is a trajectory: its model tokens plus its observations' tokens, and its
+    tool waits (`Batch.wait_s`, `lengths.multi_turn`)."""
     lengths = np.asarray(lengths_for_step(workload, step, n, seed, samples_per_prompt=samples_per_prompt,
                                           horizon_steps=horizon_steps), dtype=np.int64)
     if workload in WORKLOADS:
-        prompts = np.full(lengths.shape, WORKLOADS[workload].prompt_tokens, dtype=np.int64)
+        spec = WORKLOADS[workload]
+        prompts = np.full(lengths.shape, spec.prompt_tokens, dtype=np.int64)
+        if spec.max_turns > 1:  # a trajectory: its observations are in its context, its tool waits hold its slot
+            turns, wait_s = multi_turn(spec, step, n, seed)
+            return Batch(lengths + (turns - 1) * spec.obs_tokens, prompts, wait_s=wait_s)
     else:
         st = os.stat(workload)
         by_step, _ = _trace_index(str(Path(workload).resolve()), st.st_size, st.st_mtime_ns)

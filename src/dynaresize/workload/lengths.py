@@ -70,6 +70,15 @@ class WorkloadSpec:
     cap_schedule: tuple[tuple[float, float], ...] = ((0.0, 1.0),)  # (fraction of horizon, cap fraction)
     prompt_tokens: int = 512  # prompt length in the reference domain (sim only)
     prompts_per_step: int = 0  # the job's batch in prompts, where the workload names one; 0: 2 per device
+    # Multi-turn (agentic) workloads (`multi_turn`): a trajectory has 1..max_turns model turns
+    # (after each, it goes on with probability turn_continue), the sampled length is its model
+    # tokens over all turns, each observation adds obs_tokens, and each environment call between
+    # two turns holds the trajectory's slot for a tool latency drawn lognormal around tool_latency_s.
+    max_turns: int = 1
+    turn_continue: float = 0.0
+    obs_tokens: int = 0
+    tool_latency_s: float = 0.0
+    tool_latency_sigma: float = 1.0
 
     def log_median(self, step: int) -> float:
         """mu(t) without the per-step jitter, in the reference domain (t: the absolute step)."""
@@ -135,9 +144,29 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     # The U is deep (8x) so that a 4-device CPU run sees rollout-bound, then train-bound, then
     # rollout-bound windows: a demo of the mechanism, not a calibrated workload.
     # Its horizon is the default preset's 30 steps (the U was tuned on a 30-step run).
+    # An agentic, tool-using job (issue 24; [A] from the shapes of SWE/search agent runs in verl's
+    # and SkyRL's examples): up to 8 turns, 70% going on after each (2.9 turns on average), 600-token
+    # turns at the median with the usual heavy tail over the whole trajectory, 150-token tool
+    # results, and tool calls of ~2 s at the median with a heavy tail (a sandbox or a search API:
+    # sigma 1, so 1 call in 20 takes over 10 s). Its tail is made of turns *and* tool waits.
+    "agent-tools": WorkloadSpec(name="agent-tools", mu0=math.log(1800.0), sigma=1.0, runaway0=0.002,
+                                max_turns=8, turn_continue=0.7, obs_tokens=150, tool_latency_s=2.0,
+                                prompt_tokens=1024),
     "demo": WorkloadSpec(name="demo", mu0=math.log(6000.0), sigma=0.4, u_rise=math.log(30.0),
                          u_power=2.0, u_end=math.log(2.5), runaway0=0.0, jitter=0.02, horizon_steps=30),
 }
+
+
+def multi_turn(spec: WorkloadSpec, step: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(turns, tool wait seconds) of the `n` trajectories of step `step` of a multi-turn
+    workload: turns in 1..max_turns (geometric by turn_continue), a wait of (turns - 1) tool
+    latencies. Seeded by (seed, workload, step) alone."""
+    rng = np.random.default_rng([int(seed), _name_id(spec.name), int(step), 7])
+    go_on = rng.random((n, max(spec.max_turns - 1, 0))) < spec.turn_continue
+    turns = 1 + np.cumprod(go_on, axis=1).sum(axis=1) if go_on.size else np.ones(n, dtype=np.int64)
+    lat = spec.tool_latency_s * np.exp(spec.tool_latency_sigma * rng.standard_normal((n, max(spec.max_turns - 1, 1))))
+    calls = np.arange(lat.shape[1])[None, :] < (turns - 1)[:, None]
+    return turns.astype(np.int64), (lat * calls).sum(axis=1)
 
 
 def get_workload(name: str) -> WorkloadSpec:

@@ -32,6 +32,9 @@ class Batch:
 
     response_tokens: np.ndarray  # int64, shape (num_samples,)
     prompt_tokens: np.ndarray  # int64, same shape
+    # Multi-turn: seconds each trajectory waits on its environment between turns, holding its
+    # slot (float64, same shape); None: single-turn.
+    wait_s: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
