@@ -186,8 +186,8 @@ def check_task(cfg: RunConfig) -> list[tuple[str, Any, str]]:
     need(t.max_turns >= 1, "max_turns", "must be >= 1")
     need(t.max_total_tokens >= 0, "max_total_tokens", "must be >= 0 (0: the model's positions)")
     need(math.isfinite(t.env_timeout_s) and t.env_timeout_s > 0, "env_timeout_s", "must be > 0 (seconds)")
-    for name in ("max_turns", "max_total_tokens", "env_timeout_s"):
-        need(multi or getattr(t, name) == getattr(TaskConfig, name), name,
+    for field_name in ("max_turns", "max_total_tokens", "env_timeout_s"):
+        need(multi or getattr(t, field_name) == getattr(TaskConfig, field_name), field_name,
              "only read by a multi-turn task: set task.env (or task.name=agent-calc|agent-guess)")
     if multi:
         need(t.reward is None, "reward", "unused with a multi-turn task: the environment's step rewards are its reward")
