@@ -63,6 +63,7 @@ def agent_pair(ray_local, tmp_path_factory):
     return base / "moves", s1, base / "static", s2
 
 
+@pytest.mark.slow
 def test_a_multi_turn_run_with_resizes_equals_a_static_run(agent_pair):
     from safetensors.torch import load_file
 

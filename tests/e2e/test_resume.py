@@ -3,7 +3,8 @@ device count or split, appends to its records, keeps the ledger (nothing lost, n
 twice) and, in deterministic mode, ends with the tokens and final parameters of the
 uninterrupted run. A corrupt or partial checkpoint is refused in one line, touching nothing.
 
-Default suite: 4 -> 3 devices and the bad checkpoints. `make test-faults` adds 4 -> 2, 2 -> 4.
+Default suite: 4 -> 3 devices and the bad checkpoints. `make test-faults` adds 4 -> 2, 2 -> 4 and
+a streaming run (staleness 2) stopped after a periodic checkpoint and resumed on 3 devices.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ class _Crash(Exception):
     """The driver dies right after a periodic checkpoint (the test's stand-in for a killed process)."""
 
 
+@pytest.mark.slow
 def test_streaming_run_checkpointed_stopped_and_resumed_on_three_devices_equals_the_uninterrupted_run(
         ray_local, tmp_path, monkeypatch):
     """Staleness 2, checkpoint every 2 steps, a 4-step run stopped just after the checkpoint of

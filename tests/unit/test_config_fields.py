@@ -918,7 +918,7 @@ EVIDENCE: dict[str, tuple] = {
                               "with kl_coef=0.05 the recorded KL is 0 at step 0 and > 0 after")),
     "train.micro_batch_size": (Probe(1, _train_steps),),
     "train.staleness": (Probe(0, _staleness), Probe(2, _staleness), Refused(5, "train.staleness=5"),
-                        Runtime("tests/e2e/test_faults.py::test_streaming_trainer_killed_mid_step_recovers_and_equals_the_uninterrupted_run",
+                        Runtime("tests/e2e/test_faults.py::test_streaming_fault_matrix",
                                 "with staleness=2 a lost trainer is recovered in-run and the run equals the uninterrupted one"),
                         Runtime("tests/e2e/test_staleness_run.py::test_staleness_2_with_resizes_keeps_the_ledger_and_the_bound",
                                 "with staleness=2 every sample's version is max(0, consumed_step - 2), the bound reached")),

@@ -52,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     result = {"benchmark": "checkpoint", "staleness": 2, "params": args.params, "checkpoints": len(ckpts),
               "checkpoint_s_median": ckpt_s, "checkpoint_bytes_median": statistics.median(r["bytes"] for r in ckpts),
               "stream_samples_median": statistics.median(r["stream_samples"] for r in ckpts),
-              "weight_versions": ckpts[0]["weight_versions"], "step_s_median": step_s,
+              "weight_versions": max(r["weight_versions"] for r in ckpts), "step_s_median": step_s,
               "checkpoint_over_step": ckpt_s / step_s}
     (out / "bench_checkpoint.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"bench checkpoint: streaming (staleness 2), ~{args.params / 1e6:.0f}M parameters: a checkpoint "
