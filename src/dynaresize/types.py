@@ -81,6 +81,15 @@ class Bounds:
     move_unit: int = 1
     allowed_rollout: tuple[int, ...] = ()
 
+    def on_survivors(self, num_devices: int) -> "Bounds":
+        """These bounds on `num_devices` survivors of a loss: the predefined splits that still fit
+        (all of them gone: any legal split, so a run survives what it can)."""
+        keep = tuple(r for r in self.allowed_rollout if r < num_devices)
+        fit = Bounds(num_devices=num_devices, min_rollout=self.min_rollout, min_train=self.min_train,
+                     move_unit=self.move_unit, allowed_rollout=keep)
+        return fit if not keep or fit.splits() else Bounds(num_devices=num_devices, min_rollout=self.min_rollout,
+                                                           min_train=self.min_train, move_unit=self.move_unit)
+
     def allowed(self, num_rollout: int) -> bool:
         return self.why_not(num_rollout) is None
 

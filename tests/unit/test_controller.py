@@ -207,3 +207,12 @@ def test_streaming_hysteresis_respects_bounds_cooldown_and_reversal_window(n_dev
                 moves.append((step, direction))
                 ctl.on_resize_done(cmd.resize_id, 1.0, 2.0)
         assert bounds.allowed(ctl.assignment.num_rollout)
+
+
+def test_predefined_splits_that_still_fit_survive_a_loss():
+    from dynaresize.types import Bounds
+
+    b = Bounds(num_devices=8, allowed_rollout=(2, 4, 6))
+    assert b.on_survivors(6).allowed_rollout == (2, 4) and b.on_survivors(6).splits() == (2, 4)
+    free = b.on_survivors(2)  # none of them fits two devices: any legal split, so the run survives
+    assert free.allowed_rollout == () and free.splits() == (1,)

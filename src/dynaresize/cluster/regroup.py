@@ -23,7 +23,7 @@ import ray
 from dynaresize.cluster.watchdog import DevicesLost
 from dynaresize.cluster.worker_resize import BACKGROUND_TAG
 from dynaresize.comm import rendezvous
-from dynaresize.types import Assignment, Bounds
+from dynaresize.types import Assignment
 
 
 def settle(cluster: Any, survivors: list[int]) -> dict[int, str]:
@@ -57,9 +57,7 @@ def new_generation(cluster: Any, survivors: list[int], assignment: Assignment) -
     cluster.generation += 1
     cluster.watchdog.clear(cluster.num_devices)
     cluster.forget_groups()  # settled: pre-warms ran (or failed) in the old world, whose groups are gone
-    b = cluster.bounds
-    cluster.bounds = Bounds(num_devices=cluster.num_devices, min_rollout=b.min_rollout, min_train=b.min_train,
-                            move_unit=b.move_unit)
+    cluster.bounds = cluster.bounds.on_survivors(cluster.num_devices)
     deadline_s = cluster.watchdog.collective_s + cluster.watchdog.margin_s
     port = cluster.wait([(0, cluster.workers[0].free_port.remote())], "new world", deadline_s)[0]
     ip = cluster.wait([(0, cluster.workers[0].info.remote())], "new world", deadline_s)[0]["ip"]

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from dynaresize.config_load import apply_overrides, build_config, load_file, merge
+from dynaresize.costmodel.costs import HARDWARE_PRESETS, MODEL_PRESETS
 from dynaresize.emulate.model import UNPACED
 from dynaresize.presets import PRESETS, preset
 
@@ -67,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_emulation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate", metavar="ACCEL:MODEL",
                    help="pace every device to an emulated accelerator running a model, e.g. h100:7b "
-                   "(accelerators h100, h200, a100; models 7b, 32b, 70b); `none`: unpaced (cluster.emulate)")
+                   f"(accelerators {', '.join(HARDWARE_PRESETS)}; models {', '.join(MODEL_PRESETS)}); "
+                   "`none`: unpaced (cluster.emulate)")
     p.add_argument("--time-scale", type=float, metavar="X",
                    help="emulated seconds per wall second of paced work (cluster.time_scale; default 20, also "
                    "when --emulate replaces a preset's emulation)")

@@ -147,8 +147,7 @@ class Controller:
             raise ValueError(f"unknown devices {sorted(lost - set(range(self._assignment.num_devices)))}")
         roles = tuple(r for d, r in enumerate(self._assignment.roles) if d not in lost)
         b = self.bounds
-        bounds = Bounds(num_devices=len(roles), min_rollout=b.min_rollout, min_train=b.min_train,
-                        move_unit=b.move_unit)
+        bounds = b.on_survivors(len(roles))
         if not bounds.splits():
             raise ResizeRefused(f"no legal split on {len(roles)} surviving devices "
                                 f"(min_rollout {b.min_rollout}, min_train {b.min_train}, move_unit {b.move_unit})")

@@ -159,7 +159,8 @@ def stop_run(run: Any, w: Window, reason: str) -> NoReturn:
             if step >= boundary and res.sample_id not in run.ledger.entries:
                 run.ledger.generated(sample_id=res.sample_id, version=res.version, device=device,
                                      num_tokens=len(res.response_ids), token_sha1=token_sha1(res.response_ids),
-                                     seed=sample_seed(run.cfg.seed, *res.sample_id), versions=res.versions)
+                                     seed=sample_seed(run.cfg.seed, *res.sample_id), versions=res.versions,
+                                     turns=getattr(res, "turns", 0), stop_reason=getattr(res, "stop_reason", ""))
                 run.ledger.dropped(res.sample_id, why)
                 dropped.append(run.ledger.entries[res.sample_id])
     for entry in sorted(dropped, key=lambda e: e.sample_id):
