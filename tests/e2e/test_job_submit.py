@@ -58,10 +58,14 @@ def test_ray_job_submit_runs_the_job_with_its_ledger_whole(tmp_path):
     out = tmp_path / "run"
     try:
         _wait_for(dashboard, 180, head, tmp_path / "ray_start.log")
-        job = subprocess.run(
-            [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--",
-             str(BIN / "dynaresize"), "run", "--devices", "3", "--steps", "3", "--no-progress", "--out", str(out)],
-            env=env, capture_output=True, text=True, timeout=900)
+        for _ in range(12):  # the dashboard answers before its job agent is up: Ray says to try again later
+            job = subprocess.run(
+                [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--",
+                 str(BIN / "dynaresize"), "run", "--devices", "3", "--steps", "3", "--no-progress", "--out", str(out)],
+                env=env, capture_output=True, text=True, timeout=900)
+            if "No available agent to submit job" not in job.stderr:
+                break
+            time.sleep(5)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         assert "succeeded" in job.stdout + job.stderr
         summary = json.loads((out / "summary.json").read_text())
