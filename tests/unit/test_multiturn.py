@@ -266,16 +266,16 @@ def test_serve_hands_a_moved_trajectory_on_with_its_history(weights):
     req = _req(3)
     ref, _ = _run(weights, [req])
     a = Server(weights)
-    a.serve([req], (), 0.0)
+    a.serve([req], 0.0)
     while not a._turns.live[req.sample_id].turns:
-        assert a.serve((), (), 0.01)["running"] == 1
-    moved = a.serve((), (), 0.0, abort_all=True)["moved"]
-    assert len(moved) == 1 and moved[0].prefix_turns and a.serve((), (), 0.0)["running"] == 0
+        assert a.serve((), 0.01)["running"] == 1
+    moved = a.serve((), 0.0, abort_all=True)["moved"]
+    assert len(moved) == 1 and moved[0].prefix_turns and a.serve((), 0.0)["running"] == 0
     b = Server(weights)
-    b.serve(moved, (), 0.0)
+    b.serve(moved, 0.0)
     results = []
     while not results:
-        results = b.serve((), (), 0.05)["results"]
+        results = b.serve((), 0.05)["results"]
     got = results[0]
     assert got.response_ids == ref[req.sample_id].response_ids and got.loss_mask == ref[req.sample_id].loss_mask
     assert got.version == 0 and got.versions == ()

@@ -103,8 +103,7 @@ def test_windows_keep_the_stated_bounds(eta, seed):
                     while not q.idle([leaver]):
                         tick(k)
                 for s, item in sorted(running.pop(leaver, []), reverse=True):  # moved: first in line
-                    q.done(leaver, s)
-                    q.requeue(s, f"{item}'")
+                    q.put_back(leaver, s, f"{item}'")
                 q.remove_engine(leaver)
         elif k % 4 == 3:  # a device joins holding the version just trained
             q.add_engine(max(engines) + 1, k + 1)
@@ -139,9 +138,8 @@ def test_moved_requests_go_back_first_as_a_new_item_of_their_step():
     q.release(1, ["c"])
     d = q.next_for(0)
     q.close([0])
-    q.done(0, d.step)  # the leaving engine's item ends there ...
-    q.requeue(0, "a-rest")  # ... and what it had not finished is queued again, first
+    q.put_back(0, d.step, "a-rest")  # what the leaving engine had not finished is queued again, first
     assert not q.complete(0) and q.queue[0] == (0, "a-rest")
     assert q.next_for(0) is None and q.next_for(1).item == "a-rest"
     with pytest.raises(ValueError):
-        q.requeue(7, "x")  # never released
+        q.put_back(1, 7, "x")  # no item of step 7 on that engine

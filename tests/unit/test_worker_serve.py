@@ -58,7 +58,7 @@ def _req(p: int, n: int = 20) -> GenRequest:
 def _until_done(server: Server, pending: set) -> dict:
     out = {}
     while pending - set(out):
-        for r in server.serve((), (), 0.05)["results"]:
+        for r in server.serve((), 0.05)["results"]:
             out[r.sample_id] = r
     return out
 
@@ -75,7 +75,7 @@ def w1():
 
 def test_serve_returns_results_as_they_finish_and_counts_the_running(w0):
     s = Server(w0, 0, partial=False)
-    first = s.serve([_req(0, 3), _req(1, 12)], (), 10.0)
+    first = s.serve([_req(0, 3), _req(1, 12)], 10.0)
     assert [r.sample_id for r in first["results"]] == [(3, 0, 0)] and first["running"] == 1
     rest = _until_done(s, {(3, 1, 0)})
     alone = Server(w0, 0, partial=False).engine.generate([_req(1, 12)])[0]
@@ -84,31 +84,31 @@ def test_serve_returns_results_as_they_finish_and_counts_the_running(w0):
 
 def test_moved_request_comes_back_as_sent_and_gives_the_same_tokens_elsewhere(w0):
     a, b = Server(w0, 0, partial=False), Server(w0, 0, partial=False)
-    a.serve([_req(0)], (), 0.0)
+    a.serve([_req(0)], 0.0)
     a.engine.step()  # some tokens made on `a`
-    moved = a.serve((), (), 0.0, abort_all=True)["moved"]
-    assert moved == [_req(0)] and a.serve((), (), 0.0)["running"] == 0
-    b.serve(moved, (), 0.0)
+    moved = a.serve((), 0.0, abort_all=True)["moved"]
+    assert moved == [_req(0)] and a.serve((), 0.0)["running"] == 0
+    b.serve(moved, 0.0)
     got = _until_done(b, {(3, 0, 0)})[(3, 0, 0)]
     assert got.response_ids == Server(w0, 0, partial=False).engine.generate([_req(0)])[0].response_ids
 
 
 def test_weight_change_under_running_requests_needs_partial_rollout(w0, w1):
     s = Server(w0, 0, partial=False)
-    s.serve([_req(0)], (), 0.0)
+    s.serve([_req(0)], 0.0)
     with pytest.raises(RuntimeError, match="rollout.partial"):
         s.pull(w1, 1)
 
 
 def test_partial_rollout_marks_versions_and_a_moved_request_keeps_its_prefix(w0, w1):
     s = Server(w0, 4, partial=True)
-    s.serve([_req(0, 20)], (), 0.0)  # one iteration, then it answers
+    s.serve([_req(0, 20)], 0.0)  # one iteration, then it answers
     for _ in range(4):
         s.engine.step()  # 5 tokens under version 4
     s.pull(w1, 5)
     for _ in range(3):
         s.engine.step()  # 3 more under version 5
-    moved = s.serve((), (), 0.0, abort_all=True, keep=True)["moved"]
+    moved = s.serve((), 0.0, abort_all=True, keep=True)["moved"]
     (r,) = moved
     assert len(r.prefix_ids) == len(r.prefix_logprobs) == 8 and r.prefix_versions == ((4, 0), (5, 5))
     alone = Server(w0, 4, partial=False).engine.generate([_req(0, 20)])[0]
@@ -116,7 +116,7 @@ def test_partial_rollout_marks_versions_and_a_moved_request_keeps_its_prefix(w0,
     assert list(r.prefix_logprobs[:5]) == alone.logprobs[:5]
     assert list(r.prefix_logprobs[5:]) != alone.logprobs[5:8]  # the newer weights made the next ones
     other = Server(w1, 6, partial=True)
-    other.serve(moved, (), 0.0)
+    other.serve(moved, 0.0)
     res = _until_done(other, {(3, 0, 0)})[(3, 0, 0)]
     assert len(res.response_ids) == 20 and res.response_ids[:8] == list(r.prefix_ids)
     assert res.logprobs[:8] == list(r.prefix_logprobs) and res.version == 4 and res.version_max == 6

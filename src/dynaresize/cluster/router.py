@@ -30,8 +30,8 @@ whatever else the driver queued for it (a weight pull, the ops of a resize).
   before the main thread pumps, migrates or resizes); results land in per-step `StepRollout`s.
 - Requests in flight per engine over time are kept (`take_concurrency`) for the records.
 - A lost device: its undelivered requests go back to the front of the queue and
-  `DevicesLost` is raised (the runtime stops the run: recovery is not supported under
-  streaming, docs/pipeline.md).
+  `DevicesLost` is raised; before the recovery `abandon` hands back the survivors' requests too
+  (their engines are restored), and `set_engines` takes the new ranks (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class StreamRouter:
         c = self.cluster
         for d, e in self.engines.items():
             if e.ref is None and (e.to_add or e.running) and d not in c.watchdog.lost:
-                e.ref = c.workers[d].serve.remote(e.to_add, [], SERVE_SLICE_S)
+                e.ref = c.workers[d].serve.remote(e.to_add, SERVE_SLICE_S)
                 e.to_add, e.running = [], len(e.to_add) + e.running
                 inflight[e.ref] = d
 
@@ -173,15 +173,14 @@ class StreamRouter:
             if until():
                 return
             due = self._next_due()
+            pause = WAKE_S if due is None else min(WAKE_S, max(0.0, due - time.time()))
             if not inflight:
                 if due is None and wait is None:
                     raise RuntimeError(f"stream router: {where} cannot finish: nothing queued or in flight "
                                        f"(rollout devices {c.assignment.devices(ROLLOUT)})")
-                pause = WAKE_S if due is None else min(WAKE_S, max(0.0, due - time.time()))
                 (wait or time.sleep)(pause)
                 continue
-            timeout = WAKE_S if due is None else min(WAKE_S, max(0.0, due - time.time()))
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=timeout)
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=pause)
             if not ready and time.time() - last_poll < c.watchdog.poll_s:
                 continue
             last_poll = time.time()
@@ -262,14 +261,25 @@ class StreamRouter:
                                    f"{self.cluster.ids[d]} does not hold the trainers' weights (digest mismatch)")
         self.pulls.append({**r, "device": self.cluster.ids[d]})
 
+    def _hand_back(self, d: int, e: _Engine, sent: dict | None = None, ran: bool = False) -> list:
+        """Every request engine `d` has not delivered goes back to the front of the queue as an
+        item of its step, the oldest step first in line: as the engine last held it (`sent`:
+        with its prefix under partial rollout) or as it was sent; paced from the prefix made
+        when `ran`. Returns those requests; the engine holds no item after."""
+        back = []
+        for item in sorted(e.items, key=lambda it: -it.step):
+            reqs = [(sent or {}).get(sid, r) for sid, r in item.pending.items()]
+            ran_s = time.time() - item.t0 if ran else None
+            self.queue.put_back(d, item.step, self.cluster.pacing.moved_item(item.step, reqs, item.requests,
+                                                                             ran_s=ran_s))
+            back += reqs
+        e.items = []
+        return back
+
     def _lost(self, lost: dict[int, str], where: str) -> None:
         for d in lost:
-            e = self.engines.get(d)
-            for item in list(e.items if e else ()):
-                reqs = list(item.pending.values())
-                self.put_back_ids += [tuple(r.sample_id) for r in reqs]
-                self.queue.put_back(d, item.step, self.cluster.pacing.moved_item(item.step, reqs, item.requests))
-            if e is not None:
+            if d in self.engines:
+                self.put_back_ids += [tuple(r.sample_id) for r in self._hand_back(d, self.engines[d])]
                 self.engines[d] = _Engine()
         raise DevicesLost(lost, where)
 
@@ -280,21 +290,13 @@ class StreamRouter:
         their engines, dropping what they run): every request not delivered goes back to the
         front of the queue with its sample id and seed, and no engine is known any more.
         Returns the sample ids that went back (a lost engine's went back when it was found)."""
-        back = list(self.put_back_ids)
-        self.put_back_ids = []
+        back, self.put_back_ids = self.put_back_ids, []
         for d, e in self.engines.items():
-            for item in sorted(e.items, key=lambda it: -it.step):
-                reqs = list(item.pending.values())
-                self.queue.put_back(d, item.step, self.cluster.pacing.moved_item(item.step, reqs, item.requests))
-                back += [tuple(r.sample_id) for r in reqs]
+            back += [tuple(r.sample_id) for r in self._hand_back(d, e)]
         for d in list(self.engines):
             self.remove_engines([d])
         self.queue.closed.clear()
         return back
-
-    def reset(self, devices, version: int) -> None:
-        """After a recovery: the rollout devices (new ranks) hold `version`."""
-        self.set_engines(devices, version)
 
     # ------------------------------------------------------------------ moves, drains, pulls
 
@@ -313,16 +315,9 @@ class StreamRouter:
             if e.ref is not None:  # its last serve call: collect what it finished
                 res = c.wait([(d, e.ref)], f"migrate {c.ids[d]}")[0]
                 self._collect(d, True, res)
-            stopped = c.wait([(d, c.workers[d].serve.remote([], [], 0.0, abort_all=True, keep=self.partial))],
+            stopped = c.wait([(d, c.workers[d].serve.remote([], 0.0, abort_all=True, keep=self.partial))],
                              f"migrate {c.ids[d]}")[0]
-            with_prefix = {tuple(r.sample_id): r for r in stopped["moved"]}
-            moved = 0
-            for item in sorted(e.items, key=lambda it: -it.step):  # the oldest step ends up first in line
-                reqs = [with_prefix.get(sid, r) for sid, r in item.pending.items()]
-                self.queue.done(d, item.step)
-                ran_s = time.time() - item.t0 if self.partial else None
-                self.queue.requeue(item.step, c.pacing.moved_item(item.step, reqs, item.requests, ran_s=ran_s))
-                moved += len(reqs)
+            moved = len(self._hand_back(d, e, {tuple(r.sample_id): r for r in stopped["moved"]}, ran=self.partial))
             now = time.time()
             for span in e.spans:
                 span[1] = now if span[1] is None else span[1]

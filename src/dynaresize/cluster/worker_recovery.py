@@ -147,8 +147,8 @@ class RecoveryMixin:
         recovery, whose router re-issues every request, so the engine's running ones are dropped."""
         if step is not None:
             self._maybe_fault("weight_sync", step)
-        if fresh and self.engine is not None and self._served():
-            self.engine.abort(list(self._served()))
+        if fresh and self.engine is not None:
+            self._stop(list(self._served()), keep=False)  # through the turn loop too (worker_serve.py)
             self._forget_requests()
         t0 = time.time()
         source = _source(metas, [{"param": p} for p in params], partial=False)

@@ -1,9 +1,9 @@
 """A rollout worker serving requests one engine iteration at a time (the streaming router's
 side on the device, cluster/router.py).
 
-`serve(add, abort, max_s)` is one call on the worker's main thread: it aborts the requests
-named, starts the ones given, then runs engine iterations (`SteppingEngine.step`) until a
-request finishes, `max_s` has passed, or nothing runs; it returns the finished results and
+`serve(add, max_s)` is one call on the worker's main thread: it starts the requests given,
+then runs engine iterations (`SteppingEngine.step`) until a request finishes, `max_s` has
+passed, or nothing runs; it returns the finished results and
 how many requests still run. The driver keeps at most one `serve` in flight per engine and
 sends the next one when it comes back, so between any two iterations the worker serves its
 other calls (a weight pull, a release, the ops of a resize) in the order the driver sent them:
@@ -103,8 +103,8 @@ class ServeMixin:
             self._serving = {}
         return self._serving
 
-    def serve(self, add: Sequence[GenRequest] = (), abort: Sequence[SampleId] = (), max_s: float = 0.2, *,
-              abort_all: bool = False, keep: bool = False) -> dict:
+    def serve(self, add: Sequence[GenRequest] = (), max_s: float = 0.2, *, abort_all: bool = False,
+              keep: bool = False) -> dict:
         """See the module docstring. Returns results (finished), moved (requests to send
         elsewhere, with `abort_all`), running (how many still run), t0, t1, device."""
         for s in sorted({int(r.sample_id[0]) for r in add}):
@@ -113,7 +113,7 @@ class ServeMixin:
         t0 = time.time()
         serving = self._served()
         stepper = self._stepper()
-        moved = self._stop(list(serving) if abort_all else [tuple(a) for a in abort], keep)
+        moved = self._stop(list(serving), keep) if abort_all else []
         if add:
             version = int(self.engine.version)
             for r in add:

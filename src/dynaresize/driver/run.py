@@ -325,13 +325,13 @@ class Run(StepReporting):
                           critical=op["critical"], **{k: op[k] for k in OP_EXTRAS if k in op})
         total_end = max(op["t1"] for op in o.ops)
         as_ids = lambda a: {k: [ids[r] for r in v] for k, v in a.to_json().items()}  # noqa: E731
+        moved = [op["requests_moved"] for op in o.ops if "requests_moved" in op]  # migrate_requests ops
         rec = self.rec.emit("resize", resize_id=plan.resize_id, step=plan.step, **{"from": as_ids(plan.src)},
                             to=as_ids(plan.dst), moving=[ids[r] for r in plan.moving], to_role=plan.to_role,
                             critical_s=self.timing.clock.span(o.t_decide, o.critical_end),
                             total_s=self.timing.clock.span(o.t_decide, total_end),
                             t_s=self.rel(o.t_decide), groups_created_critical=o.groups_created_critical,
-                            reason=plan.reason, **({"requests_moved": sum(op["requests_moved"] for op in moved)}
-                                                   if (moved := [op for op in o.ops if "requests_moved" in op]) else {}))
+                            reason=plan.reason, **({"requests_moved": sum(moved)} if moved else {}))
         self.resizes.append(rec)
 
     # ------------------------------------------------------------------ outputs

@@ -205,7 +205,7 @@ class Streaming:
     def after_recovery(self) -> None:
         """The survivors' rollout devices hold `run.engine_version` (recovery restored it)."""
         run = self.run
-        self.router.reset(run.assignment.devices(ROLLOUT), run.engine_version)
+        self.router.set_engines(run.assignment.devices(ROLLOUT), run.engine_version)
 
     def after_resize(self, plan: ResizePlan, version: int) -> None:
         left = [d for d in plan.src.devices(ROLLOUT) if d not in plan.dst.devices(ROLLOUT)]

@@ -176,9 +176,9 @@ class Emulator:
         """`stream_shares` as dispatch items (positions, time, body time, longest position):
         each timed on one replica (`StageModel.chunk`: its longest request ends at `time`, the
         others by the end of its body); a replica's tp devices split its share."""
-        tp, out = self.model.rollout_tp, []
+        tp, out, lengths = self.model.rollout_tp, [], self.lengths_flat(step)
         for lo, hi in self.stream_shares(step, num_rollout):
-            ch, top = self.stages.chunk(step, lo, hi), lo + int(np.argmax(self.lengths_flat(step)[lo:hi]))
+            ch, top = self.stages.chunk(step, lo, hi), lo + int(np.argmax(lengths[lo:hi]))
             out += [(tuple(range(lo, hi))[part::tp], ch.time_s, ch.body_s, top) for part in range(tp)]
         return out
 
@@ -193,13 +193,14 @@ class Emulator:
             made = dict(zip(share, self.stages.tokens_after(step, share, elapsed_s)))
             done = [int(made.get(i, 0)) for i in positions]
         ch = self.stages.chunk_at(step, positions, done)
-        left = {i: self.lengths_flat(step)[i] - (done[k] if done else 0) for k, i in enumerate(positions)}
+        lengths = self.lengths_flat(step)
+        left = {i: lengths[i] - (done[k] if done else 0) for k, i in enumerate(positions)}
         top = max(positions, key=lambda i: (left[i], -i))
         return ch.time_s, ch.body_s, top
 
     def lengths_flat(self, step: int) -> np.ndarray:
-        """Emulated response lengths of `step` in batch order."""
-        return self.batch(step).response_tokens
+        """Emulated response lengths of `step` in batch order (the stage model's cached batch)."""
+        return self.stages.batch(step).response_tokens
 
     def rollout_s(self, step: int, num_rollout: int) -> float:
         return self.stages.rollout(step, num_rollout).time_s

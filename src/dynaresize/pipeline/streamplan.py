@@ -24,8 +24,8 @@ partial rollout, an engine never mixes versions, and which weights generate a sa
 only on its step. A replica that finished its share of step s starts on s+1, s+2, ... as soon
 as their versions exist instead of waiting for step s's longest response.
 
-Moved items (a device left the rollout pool with requests in flight, `requeue`): the
-unfinished requests go back to the front of the queue as a new item of their step.
+Moved items (a device left the rollout pool, or was lost, with requests in flight,
+`put_back`): the unfinished requests go back to the front of the queue as an item of their step.
 
 Bounds (checked by `check_bounds`, tested in tests/unit/test_streamplan.py), in the window of
 training step k:
@@ -153,15 +153,9 @@ class StreamQueue:
         self.outstanding[step] -= 1
 
     def put_back(self, device: int, step: int, item: Any) -> None:
-        """The engine's item did not run (its device was lost): first in line again."""
+        """The engine's item of `step` did not finish there (its device left or was lost):
+        `item` (what it had not finished) is first in line again."""
         self._leave(device, step)
-        self.queue.appendleft((step, item))
-
-    def requeue(self, step: int, item: Any) -> None:
-        """Requests moved off a leaving engine: a new item of `step`, first in line."""
-        if step not in self.outstanding:
-            raise ValueError(f"step {step} was never released")
-        self.outstanding[step] += 1
         self.queue.appendleft((step, item))
 
     # ------------------------------------------------------------------ bounds
