@@ -7,8 +7,9 @@ requests in flight to the remaining one (`requests_moved` on the resize record),
 critical path ends before those requests do; and the two runs generate the same tokens and
 end with the same parameters (within 1e-6), though the static one also evaluates (which drains
 every engine and gives it the newest version between windows). Responses are long (96 tokens)
-so that rollout, not training, bounds a window: engines always have requests in flight at a
-window's end, where the move happens.
+so that rollout usually bounds a window here. A move with requests surely in flight is the paced
+test at the end: emulated devices deliver each result at its modelled time, so at the move the
+steps in flight are still running whatever this machine's speed.
 """
 
 from collections import Counter
@@ -58,13 +59,9 @@ def test_staleness_2_with_resizes_keeps_the_ledger_and_the_bound(stream_pair):
     assert summary["resizes_to_rollout"] == 1 and summary["resizes_to_train"] == 1
     resizes = list(read_records(out / "records.jsonl", "resize"))
     assert [len(r["to"]["rollout"]) for r in resizes] == [1, 3]  # to train first, while rollout bounds a window
-    # the rollout -> train move handed its leaving engines' requests on, and did not wait for them:
-    # rollout work of the steps in flight ended after the move's critical path
-    assert "requests_moved" not in resizes[1] and resizes[0]["requests_moved"] > 0
-    moved_end = resizes[0]["t_s"] + resizes[0]["critical_s"]
-    later = [r["end_s"] for r in read_records(out / "records.jsonl", "span")
-             if r["name"] == "rollout" and r["step"] > resizes[0]["step"]]
-    assert max(later) > moved_end
+    # the rollout -> train move counts what its migrate_requests op handed on (how many were in
+    # flight at the move depends on this machine's speed here; the paced test below fixes it)
+    assert "requests_moved" not in resizes[1] and resizes[0]["requests_moved"] >= 0
     ops = [o for o in read_records(out / "records.jsonl", "op") if o["name"] == "migrate_requests"]
     assert sum(o["requests_moved"] for o in ops) == resizes[0]["requests_moved"] and len(ops) == 1
     # requests in flight per rollout device and window (a `concurrency` record each)
@@ -120,8 +117,8 @@ def test_partial_rollout_run_records_token_versions_within_the_bound(ray_local, 
     data.update(steps=STEPS, deterministic=False, policy={"name": "scripted", "schedule": "3:1"})
     data["cluster"] = {**data["cluster"], "devices": 4, "rollout_devices": 2}
     data["rollout"] = {**data["rollout"], "engine": "hf", "prompts_per_step": 4, "samples_per_prompt": 4,
-                       "max_new_tokens": 96, "synthetic_lengths": True, "length_workload": "longtail-drift",
-                       "partial": True}
+                       "max_new_tokens": 192, "synthetic_lengths": True, "length_workload": "longtail-drift",
+                       "partial": True}  # long tails: a newer version exists while some still decode
     data["train"] = {**data["train"], "staleness": ETA}
     summary = run_job(build_config(data), tmp_path / "partial", progress=False)
     assert summary["ledger_ok"], summary["ledger_problems"]
@@ -138,3 +135,37 @@ def test_partial_rollout_run_records_token_versions_within_the_bound(ray_local, 
         assert firsts[-1] < s["num_tokens"]
     resize = next(read_records(tmp_path / "partial" / "records.jsonl", "resize"))
     assert resize["to_role"] == "train" and resize["requests_moved"] >= 0
+
+
+def _paced(policy: dict):
+    """The streaming job on emulated A100s running a 7B (a long-tailed 7B rollout takes minutes of
+    emulated time, its training seconds): at a window's end the next steps' requests are in flight
+    by the model, not by this machine's speed."""
+    data = preset("cpu")
+    data.update(steps=4, deterministic=True, policy=policy)
+    data["cluster"] = {**data["cluster"], "devices": 4, "rollout_devices": 2, "emulate": "a100:7b", "time_scale": 40}
+    data["rollout"] = {**data["rollout"], "engine": "hf", "prompts_per_step": 4, "samples_per_prompt": 4,
+                       "max_new_tokens": 16, "length_workload": "longtail-drift"}
+    data["train"] = {**data["train"], "staleness": ETA}
+    return build_config(data)
+
+
+def test_a_move_mid_rollout_hands_requests_on_without_waiting_for_them(ray_local, tmp_path):
+    """A rollout -> train move before step 2 (paced: requests of steps 2-3 are in flight then)
+    moves them to the remaining engine; the move's critical path ends long before they do; the
+    ledger is whole and the run equals the static run (same tokens, final parameters within 1e-6)."""
+    from safetensors.torch import load_file
+
+    moved, static = tmp_path / "moved", tmp_path / "static"
+    s1 = run_job(_paced({"name": "scripted", "schedule": "2:1"}), moved, progress=False)
+    s2 = run_job(_paced({"name": "static:2"}), static, progress=False)
+    assert s1["ledger_ok"] and s2["ledger_ok"], (s1["ledger_problems"], s2["ledger_problems"])
+    (resize,) = read_records(moved / "records.jsonl", "resize")
+    assert resize["to_role"] == "train" and resize["requests_moved"] > 0
+    later = [r["end_s"] for r in read_records(moved / "records.jsonl", "span")
+             if r["name"] == "rollout" and r["step"] > resize["step"]]
+    assert max(later) > resize["t_s"] + resize["critical_s"]
+    sha = lambda out: {r["sample_id"]: r["token_sha1"] for r in read_records(out / "records.jsonl", "sample")}  # noqa: E731
+    assert len(sha(moved)) == 4 * 16 and sha(moved) == sha(static)
+    w1, w2 = load_file(str(moved / "checkpoint" / "model.safetensors")), load_file(str(static / "checkpoint" / "model.safetensors"))
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) <= 1e-6

@@ -60,7 +60,8 @@ def whole_result(r: GenRequest, res: GenResult, versions: list[tuple[int, int]])
     """The engine's result of `engine_request(r)` with `r`'s prefix in front, its version the
     oldest of its tokens and `versions` kept only when more than one made them. A trajectory's
     result is whole already (its prefix is in it)."""
-    marks = _normal(versions)
+    n = len(r.prefix_ids) + len(res.response_ids)  # a pull after its last token made none of them
+    marks = _normal([(v, i) for v, i in versions if i < n] or versions[:1])
     if r.env_sample is not None:
         return replace(res, version=marks[0][0], versions=tuple(marks) if len(marks) > 1 else ())
     return replace(res, response_ids=[*r.prefix_ids, *res.response_ids],
