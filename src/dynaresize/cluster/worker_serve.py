@@ -60,13 +60,14 @@ def whole_result(r: GenRequest, res: GenResult, versions: list[tuple[int, int]])
     """The engine's result of `engine_request(r)` with `r`'s prefix in front, its version the
     oldest of its tokens and `versions` kept only when more than one made them. A trajectory's
     result is whole already (its prefix is in it)."""
-    n = len(r.prefix_ids) + len(res.response_ids)  # a pull after its last token made none of them
+    whole = r.env_sample is not None
+    n = len(res.response_ids) + (0 if whole else len(r.prefix_ids))  # a pull after its last token made none
     marks = _normal([(v, i) for v, i in versions if i < n] or versions[:1])
-    if r.env_sample is not None:
-        return replace(res, version=marks[0][0], versions=tuple(marks) if len(marks) > 1 else ())
+    kept = {"version": min(v for v, _ in marks), "versions": tuple(marks) if len(marks) > 1 else ()}
+    if whole:
+        return replace(res, **kept)
     return replace(res, response_ids=[*r.prefix_ids, *res.response_ids],
-                   logprobs=[*r.prefix_logprobs, *res.logprobs], version=marks[0][0],
-                   versions=tuple(marks) if len(marks) > 1 else ())
+                   logprobs=[*r.prefix_logprobs, *res.logprobs], **kept)
 
 
 def _normal(versions: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -74,8 +75,8 @@ def _normal(versions: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for v, i in versions:
         if out and out[-1][1] == i:
-            out[-1] = (v, i)
-        elif not out or out[-1][0] != v:
+            out.pop()
+        if not out or out[-1][0] != v:
             out.append((v, i))
     return out
 

@@ -54,7 +54,7 @@ class GenResult:
     logprobs: list[float]  # of each sampled token, under the sampling distribution (temperature applied)
     version: int  # optimizer steps applied to the weights that generated it (partial rollout: its first token)
     duration_s: float  # wall time from the start of its batch to its last token
-    # Partial rollout: (version, index of the first token it generated), ascending; empty when
+    # Partial rollout: (version, index of the first token it generated), by index; empty when
     # every token came from `version`.
     versions: tuple[tuple[int, int], ...] = ()
     # Multi-turn: 1 per model token, 0 per observation token (empty: every token is the
