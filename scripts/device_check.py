@@ -80,6 +80,7 @@ def _checks(torch, device, cpu: bool) -> None:
     from dynaresize.rl import grpo
     from dynaresize.rl.models import build_model, build_tokenizer, complete_state_dict, save_hf
     from dynaresize.roles.base import GenRequest
+    from dynaresize.roles.device_memory import release_device_memory
     from dynaresize.roles.rollout_hf import HFRolloutEngine
     from dynaresize.roles.train_fsdp import FSDPTrainer
     from dynaresize.roles.train_spec import TrainerSpec
@@ -160,7 +161,7 @@ def _checks(torch, device, cpu: bool) -> None:
         diff = float((a - b).abs().max())
         say("export", same_weights and diff == 0.0, f"HF folder loaded by transformers holds the trainer's weights: "
                                                     f"{same_weights}; max logit difference {diff:.2e}")
-        del loaded, model
+        del loaded, model, names
     del full
 
     # memory: teardown and release give the device memory back
@@ -170,8 +171,7 @@ def _checks(torch, device, cpu: bool) -> None:
     del trainer, engine
     gc.collect()
     if mem.enabled:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        release_device_memory(device)  # what a role switch does (cuBLAS workspaces included)
         after, alloc_after = mem.used(), torch.cuda.memory_allocated()
         grew = mem.peak_alloc - mem.base_alloc
         kept = alloc_after - mem.base_alloc
@@ -180,10 +180,55 @@ def _checks(torch, device, cpu: bool) -> None:
             f"tensors: {grew / 2**20:.1f} MiB allocated over the start, {kept / 2**20:.1f} MiB left after teardown "
             f"and release; device (mem_get_info): {returned / 2**20:.1f} MiB returned, "
             f"{(after - base) / 2**20:.1f} MiB still used over the start (communicators, CUDA context)")
+        if kept > 0.1 * grew:
+            print(f"  held: {_held_cuda_tensors(torch)}")
+            print(f"  allocated at: {_live_blocks(torch)}")
     else:
         print("memory: skipped (CPU run: no device memory to measure)")
     print(f"times: weight sync {sync_s * 1e3:.1f} ms, generation {gen_s:.2f} s (8 x 32 tokens), "
           f"training step {step_s:.2f} s")
+
+
+def _held_cuda_tensors(torch) -> str:
+    """Which CUDA tensors Python still reaches after a teardown, by size and holder: the clue a
+    failed memory check needs (tensors only C++ holds, e.g. an autograd graph, are not listed)."""
+    found: dict[tuple, list[int]] = {}
+    for obj in gc.get_objects():
+        try:
+            if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+                continue
+        except Exception:  # objects that cannot be inspected
+            continue
+        holders = []
+        for ref in gc.get_referrers(obj):
+            if isinstance(ref, dict):
+                holders.append("dict[" + ",".join(str(k) for k in list(ref)[:2]) + "]")
+            elif not isinstance(ref, list):
+                holders.append(type(ref).__qualname__)
+        key = (tuple(obj.shape), str(obj.dtype).replace("torch.", ""), tuple(holders[:2]))
+        entry = found.setdefault(key, [0, 0])
+        entry[0] += 1
+        entry[1] += obj.untyped_storage().nbytes()
+    total = sum(b for _, b in found.values())
+    top = sorted(found.items(), key=lambda kv: -kv[1][1])[:6]
+    return (f"{total / 2**20:.1f} MiB reachable from Python in {sum(n for n, _ in found.values())} tensors; "
+            + "; ".join(f"{n} x {list(shape)} {dt} held by {'/'.join(h) or '?'} ({b / 2**20:.1f} MiB)"
+                        for (shape, dt, h), (n, b) in top))
+
+
+def _live_blocks(torch) -> str:
+    """Where the blocks still allocated were allocated (torch's memory history, recorded since
+    the start): the project frames nearest each allocation, biggest first."""
+    where: dict[str, int] = {}
+    for seg in torch.cuda.memory._snapshot().get("segments", []):
+        for block in seg.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = [f for f in block.get("frames", []) if "dynaresize" in f["filename"] or "check" in f["filename"]]
+            name = " < ".join(f"{Path(f['filename']).name}:{f['line']}" for f in frames[:3]) or "?"
+            where[name] = where.get(name, 0) + int(block.get("size", 0))
+    top = sorted(where.items(), key=lambda kv: -kv[1])[:6]
+    return "; ".join(f"{w} ({b / 2**20:.1f} MiB)" for w, b in top) or "no history"
 
 
 class _Memory:
@@ -192,6 +237,8 @@ class _Memory:
     def __init__(self, torch, *, enabled: bool) -> None:
         self.torch, self.enabled = torch, enabled
         self.base_alloc = torch.cuda.memory_allocated() if enabled else 0
+        if enabled:  # so that a failed memory check can say where the leftovers were allocated
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         self.peak_alloc = self.base_alloc
 
     def used(self) -> int:

@@ -25,18 +25,11 @@ import torch
 
 from dynaresize.comm import rendezvous
 from dynaresize.reshard.execute import NO_STATS
+from dynaresize.roles.device_memory import release_device_memory
 from dynaresize.roles.train_reshard import move_state
 from dynaresize.roles.train_spec import MOMENT_KINDS, REF_KIND
 
 BACKGROUND_TAG = "background"  # the communicator over all devices that optimizer moments move on
-
-
-def release_device_memory(device: torch.device) -> None:
-    """Give the CUDA caching allocator's free blocks back to the device, once no kernel of this
-    process is in flight (called on the issuing thread, between collectives; CPU: nothing)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 class ResizeOpsMixin:

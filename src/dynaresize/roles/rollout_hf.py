@@ -46,6 +46,7 @@ import torch
 from dynaresize.config import ModelConfig
 from dynaresize.rl.models import build_model, complete_state_dict
 from dynaresize.roles.base import GenRequest, GenResult, check_request, run_to_completion, target_len
+from dynaresize.roles.device_memory import release_device_memory
 from dynaresize.roles.hf_cohort import Cohort
 
 
@@ -88,8 +89,7 @@ class HFRolloutEngine:
         """Free the model and its caches (running requests are dropped); `set_weights` loads it again."""
         self._model, self._cohorts = None, []
         gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(self.device)
 
     def weights_digest(self, names: Iterable[str] | None = None) -> str:
         """`weight_sync.weights_digest` of the weights this engine serves (`names`, or every

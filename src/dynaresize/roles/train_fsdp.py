@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dynaresize.reshard.layout import RowChunkLayout
+from dynaresize.roles.device_memory import release_device_memory
 from dynaresize.roles.train_spec import DTYPES, MOMENT_KINDS, REF_KIND, TrainerSpec, empty_model
 from dynaresize.roles.train_state import adamw_update_, mix_seed
 
@@ -218,8 +219,7 @@ class FSDPTrainer:
         """Drop every tensor this trainer holds (the device leaves the train role)."""
         self.model = self.ref = None
         self.params, self.moments = [], {k: [] for k in MOMENT_KINDS}
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(self.device)
 
     # ------------------------------------------------------------------ full weights
 
