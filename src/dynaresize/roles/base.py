@@ -73,6 +73,21 @@ class GenResult:
         return max([self.version, *(v for v, _ in self.versions)])
 
 
+@dataclass(frozen=True)
+class TPPlacement:
+    """One tensor-parallel rank of a rollout replica that spans `size` device workers (one
+    engine per worker, `rank` 0..size-1). The ranks meet at `master_addr:master_port` (vLLM's
+    env:// rendezvous). The driver agrees `master_port` per engine start (a new one for every
+    start), so every rank also derives the engine's private torch group names from it
+    (roles/vllm_world.py): all ranks of a replica agree on them, whatever engines each
+    process ran before."""
+
+    size: int
+    rank: int
+    master_addr: str
+    master_port: int
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     @property

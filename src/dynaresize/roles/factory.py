@@ -10,14 +10,18 @@ from typing import Any
 from dynaresize.rl.env import env_spec
 from dynaresize.rl.models import max_positions
 from dynaresize.roles import base
-from dynaresize.roles.base import RolloutEngine
+from dynaresize.roles.base import RolloutEngine, TPPlacement
 
 
-def rollout_engine_from_config(cfg: Any, **kwargs: Any) -> RolloutEngine:
+def rollout_engine_from_config(cfg: Any, tp: TPPlacement | None = None, **kwargs: Any) -> RolloutEngine:
     """The rollout engine of run config `cfg` (`resolve_engine`), built from its settings.
+    `tp`: this engine's rank of a tensor-parallel replica (vllm only; None: a whole engine).
     `kwargs` go to the chosen engine's constructor (for example `device` for hf)."""
     name = base.resolve_engine(cfg)  # through the module: one definition, patched in tests
     r = cfg.rollout
+    if name != "vllm" and tp is not None and tp.size > 1:
+        raise ValueError(f"rollout.tensor_parallel={tp.size} needs rollout.engine=vllm (the {name} engine "
+                         "holds a whole model per device)")
     if name == "vllm":
         from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
 
@@ -32,7 +36,7 @@ def rollout_engine_from_config(cfg: Any, **kwargs: Any) -> RolloutEngine:
                        kv_cache_bytes=r.vllm_kv_cache_bytes, seed=cfg.seed,
                        prefix_caching=not cfg.deterministic, dtype=base.engine_dtype(cfg),
                        gpu_memory_utilization=r.gpu_memory_utilization)
-        return VLLMRolloutEngine(cfg.model, r.temperature, **{**options, **kwargs})
+        return VLLMRolloutEngine(cfg.model, r.temperature, **{**options, **kwargs}, tp=tp)
     from dynaresize.roles.rollout_hf import HFRolloutEngine
 
     device = str(kwargs.get("device", "cpu"))

@@ -23,9 +23,14 @@ Driven request by request (the `SteppingEngine` interface: `add`, `step`, `abort
 in-process engine's `add_request` / `step` / `abort_request`; `generate` is `add` then `step`
 until done (roles/vllm_requests.py).
 
+Tensor parallelism (`tp`: a `TPPlacement`, size k > 1): one rank of a replica spanning k device
+workers (roles/vllm_tp.py); every call is made on all k ranks in the same order (`start`,
+`set_weights`/`load_weights`, `generate`, `step`, `weights_digest` are collectives). Each rank
+is sent the whole state dict, vLLM keeps its slice: a load moves k x one copy's bytes.
+
 One engine per process. Helpers: process state vLLM changes (`vllm_process`), its world kept
 apart from the worker's (`vllm_world`), weight chunks and digests (`vllm_weights`), KV budget
-(`vllm_memory`).
+(`vllm_memory`), tensor parallelism (`vllm_tp`).
 """
 
 from __future__ import annotations
@@ -44,15 +49,16 @@ import torch
 from dynaresize.config import ModelConfig
 from dynaresize.errors import UserError
 from dynaresize.rl.models import build_tokenizer, hf_config, max_positions
-from dynaresize.roles.base import GenRequest, GenResult, run_to_completion, target_len, vllm_model_problem
+from dynaresize.roles.base import GenRequest, GenResult, TPPlacement, run_to_completion, target_len, vllm_model_problem
 from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request
 from dynaresize.roles.vllm_weights import (_rpc_digest, _rpc_kv_cache_bytes, _rpc_redispatch_tied_head, _rpc_reload,
                                            _rpc_weight_shapes, check_names, weight_chunks)
-from dynaresize.roles.vllm_world import destroy_vllm_world, install_safe_cleanup, internals_problem, vllm_world
+from dynaresize.roles.vllm_tp import check_placement, fixed_request_ids, tp_creation, tp_engine_kwargs
+from dynaresize.roles.vllm_world import destroy_vllm_world, install_safe_cleanup, internals_problem, tp_name_base
+from dynaresize.roles.vllm_world import vllm_world
 
-# Set for the engine's creation: in-process engine core (no subprocess), no usage reporting.
 # ---------------------------------------------------------------- the engine
 
 
@@ -74,12 +80,13 @@ class VLLMRolloutEngine:
             fall in `start`, not in the first rollout.
         gpu_memory_utilization: on CUDA, the share of the device's memory the engine may use
             (vLLM checks at start that this much is free); unused on CPU.
+        tp: this engine's rank of a tensor-parallel replica (None or size 1: a whole engine).
     """
 
     def __init__(self, model_cfg: ModelConfig, temperature: float, *, max_num_seqs: int = 64,
                  max_model_len: int = 0, kv_cache_bytes: int = 0, dtype: str = "float32",
                  seed: int = 0, prefix_caching: bool = True, load_chunk_bytes: int = 0,
-                 warmup: bool = True, gpu_memory_utilization: float = 0.85) -> None:
+                 warmup: bool = True, gpu_memory_utilization: float = 0.85, tp: TPPlacement | None = None) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if max_num_seqs < 1:
@@ -90,6 +97,7 @@ class VLLMRolloutEngine:
         if problem:
             raise UserError(f"rollout.engine=vllm: {problem}; use rollout.engine=hf")
         self.model_cfg = model_cfg
+        self.tp = check_placement(tp)  # None: one rank
         self.temperature = float(temperature)
         self.max_num_seqs = int(max_num_seqs)
         self.max_model_len = int(max_model_len)
@@ -108,8 +116,7 @@ class VLLMRolloutEngine:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._tied = False
         self._eos_ids: set[int] = set()
-        self._parked = False
-        self._request_ids = itertools.count()
+        self._parked, self._request_ids = False, itertools.count()
         # ours -> (request, start, vLLM's id, tokens so far, their log-probs)
         self._running: dict[str, tuple[GenRequest, float, str, list[int], list[float]]] = {}
         self._rid: dict[str, str] = {}  # an id vLLM's outputs may carry (ours or its own) -> ours
@@ -134,8 +141,7 @@ class VLLMRolloutEngine:
         t0 = time.perf_counter()
         model_dir = self._model_dir()
         with preserve_process_state():
-            for key, value in ENGINE_ENV.items():
-                os.environ[key] = value
+            os.environ.update(ENGINE_ENV)
             for key in OVERRIDING_ENV:
                 os.environ.pop(key, None)
             from vllm import LLM
@@ -149,7 +155,7 @@ class VLLMRolloutEngine:
             # uncollectable.
             gc.freeze()
             try:
-                with vllm_world() as world:
+                with vllm_world(self.tp and tp_name_base(self.tp.master_port)) as world, tp_creation(self.tp):
                     self._world = world
                     self._llm = LLM(model=model_dir, **kwargs)
             except BaseException:
@@ -159,6 +165,8 @@ class VLLMRolloutEngine:
             finally:
                 gc.unfreeze()
         t1 = time.perf_counter()
+        if self.tp:
+            fixed_request_ids(True)  # read at every add_request
         try:
             self._shapes = self._llm.collective_rpc(_rpc_weight_shapes)[0]
             hf = self._llm.llm_engine.model_config.hf_config
@@ -208,6 +216,8 @@ class VLLMRolloutEngine:
                     destroy_vllm_world(self._world)  # a no-op when shutdown already did it
                     self._world = None
                     gc.collect()
+                    if self.tp:
+                        fixed_request_ids(False)
         self._parked, self._running, self._ready, self._rid = False, {}, [], {}  # running requests go with it
         self._drop_tmpdir()
         self.timings = {"release_s": time.perf_counter() - t0}
@@ -262,6 +272,7 @@ class VLLMRolloutEngine:
             logprobs_mode="processed_logprobs",  # log_softmax(logits / temperature)
             enforce_eager=True,  # no torch.compile / graph capture: seconds, not minutes, per start
             disable_log_stats=True, **({"max_model_len": self.max_model_len} if self.max_model_len else {}))
+        kwargs.update(tp_engine_kwargs(self.tp))  # a TP rank: tensor_parallel_size k, external launcher
         cache = kv_cache_bytes(self.kv_cache_bytes, cuda=self._sleep_mode())
         if cache is not None:  # one request of max_model_len must fit (vllm_memory.py)
             per_token = kv_bytes_per_token(hf_config(self.model_cfg), self.dtype)

@@ -7,7 +7,12 @@ written inside vLLM's worker (the `_rpc_*` functions run there through `collecti
   weights the engine computes with (`STALE_HEAD` marks a tied lm_head kernel that lags its
   embedding);
 - `_engine_tensors` / `_linear_weight`: the engine's parameters as dense tensors (CPU kernels
-  keep packed weights; a probe recovers them).
+  keep packed weights; a probe recovers them), whole under tensor parallelism (`_tp_full`:
+  each rank's slice all-gathered, so every rank digests every rank's weights).
+
+Loading under tensor parallelism: every rank of a replica is sent the whole state dict and
+vLLM's weight loaders keep its own slice, so a replica of k ranks receives k x the bytes of
+one copy per load (the tiny test model: 2 x ~1.2 MB; a 7B fp32 one: k x 28 GB).
 
 Used by `roles.rollout_vllm`; no engine state of its own.
 """
@@ -104,16 +109,20 @@ def _rpc_weight_shapes(worker: Any) -> dict[str, tuple[int, ...]]:
 
 
 STALE_HEAD = "stale-tied-lm_head:"  # prefix of a digest whose tied lm_head kernel lags its embedding
+REPLICAS_DIFFER = "tp-replicas-differ:"  # prefix of a digest where TP ranks hold different copies
 
 
 def _rpc_digest(worker: Any, names: list[str] | None, dtype: torch.dtype) -> str:
     model = worker.model_runner.get_model()
-    tensors = dict(_engine_tensors(model, materialize=True, only=names))
+    differ: list[str] = []
+    tensors = dict(_engine_tensors(model, materialize=True, only=names, differ=differ))
     missing = sorted(set(names or ()) - set(tensors))
     if missing:
         raise KeyError(f"the engine holds no weight named {missing[:5]}")
     digest = state_dict_digest(tensors, names, dtype)
-    return STALE_HEAD + digest if _tied_head_is_stale(model) else digest
+    if differ:  # the same on every rank: each saw every rank's copies
+        digest = f"{REPLICAS_DIFFER}{','.join(differ[:3])}:{digest}"
+    return STALE_HEAD + digest if _tp_any(_tied_head_is_stale(model)) else digest
 
 
 def _tied_head_is_stale(model: torch.nn.Module) -> bool:
@@ -136,18 +145,26 @@ def _rpc_kv_cache_bytes(worker: Any) -> int:
     return total
 
 
-def _engine_tensors(model: torch.nn.Module, *, materialize: bool, only: Sequence[str] | None = None):
+def _engine_tensors(model: torch.nn.Module, *, materialize: bool, only: Sequence[str] | None = None,
+                    differ: list[str] | None = None):
     """(checkpoint name, tensor) for every weight the engine computes with, named as the
     trainer's (HF) state dict names them: fused q/k/v and gate/up split back, vocabulary
     padding cut off. On CPU, vLLM repacks linear weights into kernel handles and frees the
     originals; those are read back exactly by multiplying the kernel with the identity
     (fp32: each output is one weight times 1 plus exact zeros). With `materialize=False` the
-    tensors are meta tensors of the right shape (no compute)."""
+    tensors are meta tensors of the right shape (no compute, no collective).
+
+    Under tensor parallelism every tensor is the full (HF) one: with `materialize` each rank's
+    slice is all-gathered over vLLM's TP group (a collective: every rank of the replica makes
+    the same call), and so is each rank's copy of a replicated tensor (norms, row-parallel
+    biases, repeated k/v heads): where copies differ the name is appended to `differ`, the
+    first rank's copy is returned; without `materialize` only shapes are computed (`_tp_full`)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     wanted = None if only is None else set(only)
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    world = _tp_world()
     for mod_name, mod in model.named_modules():
         params = dict(mod.named_parameters(recurse=False))
         if not params:
@@ -156,6 +173,7 @@ def _engine_tensors(model: torch.nn.Module, *, materialize: bool, only: Sequence
         leaf = mod_name.rsplit(".", 1)[-1]
         parent = mod_name[:-len(leaf)]
         is_vocab = hasattr(mod, "org_vocab_size") and hasattr(mod, "embedding_dim")
+        tp, dim = _tp_layout(mod)
         for pname in params:
             sizes: list[int] | None = None
             names = [f"{prefix}{pname}"]
@@ -165,16 +183,80 @@ def _engine_tensors(model: torch.nn.Module, *, materialize: bool, only: Sequence
             if wanted is not None and not wanted.intersection(names):
                 continue
             if pname == "weight" and isinstance(mod, (LinearBase, ParallelLMHead)):
-                full = _linear_weight(mod, materialize)  # what the matmul uses (the embedding: its table)
+                local = _linear_weight(mod, materialize)  # what the matmul uses (the embedding: its table)
             else:
-                full = params[pname].detach() if materialize else params[pname].detach().to("meta")
-            if is_vocab and full.dim() == 2:
-                full = full[:mod.org_vocab_size]
+                local = params[pname].detach() if materialize else params[pname].detach().to("meta")
+            split = None if (dim == 1 and pname == "bias") else dim  # a row-parallel bias is whole on every rank
+            along, copies = (0, world) if split is None else (split, 1)  # replicated: `world` copies
             if sizes is None:
-                yield names[0], full
+                full = _tp_full(local, world, along, copies, materialize, differ, names[0])
+                yield names[0], (full[:mod.org_vocab_size] if is_vocab and full.dim() == 2 else full)
             else:
-                for name, part in zip(names, torch.split(full, sizes, dim=0)):
-                    yield name, part
+                # Each rank holds every part's own slice (output_sizes // tp rows each); k/v
+                # slices repeat on `num_kv_head_replicas` consecutive ranks when tp > kv heads.
+                kv = int(getattr(mod, "num_kv_head_replicas", 1)) if len(sizes) == 3 and split == 0 else 1
+                local_sizes = [s // tp for s in sizes] if split == 0 else sizes
+                for i, (name, part) in enumerate(zip(names, torch.split(local, local_sizes, dim=0))):
+                    yield name, _tp_full(part, world, along, copies * (kv if i else 1), materialize, differ, name)
+
+
+def _tp_layout(mod: torch.nn.Module) -> tuple[int, int | None]:
+    """(tensor-parallel size, the dimension its weights are split along: 0 column-parallel
+    linear layers (q/k/v and gate/up included) and vocabulary tables, 1 row-parallel ones,
+    None replicated) of a vLLM module."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    tp = int(getattr(mod, "tp_size", 1) or 1)
+    if tp > 1 and isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return tp, 0
+    if tp > 1 and isinstance(mod, RowParallelLinear):
+        return tp, 1
+    return 1, None
+
+
+def _tp_world() -> int:
+    """The size of vLLM's TP group in this process (1 where none is set up)."""
+    from vllm.distributed import parallel_state as ps
+
+    return int(ps.get_tp_group().world_size) if getattr(ps, "_TP", None) is not None else 1
+
+
+def _tp_full(local: torch.Tensor, world: int, dim: int, copies: int, materialize: bool,
+             differ: list[str] | None = None, name: str = "") -> torch.Tensor:
+    """The whole tensor of which each of `world` ranks holds `local`: its slice along `dim`, in
+    rank order, `copies` consecutive ranks holding the same slice (kept once; `copies` ==
+    `world`: a replicated tensor). With `materialize` the slices are all-gathered over vLLM's
+    TP group (a collective) and copies that differ append `name` to `differ`; else only the
+    shape is computed (a meta tensor)."""
+    if world == 1:
+        return local
+    if not materialize:
+        shape = list(local.shape)
+        shape[dim] *= world // copies
+        return torch.empty(shape, dtype=local.dtype, device="meta")
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    slices = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(world)]
+    dist.all_gather(slices, local.contiguous(), group=get_tp_group().cpu_group)
+    if differ is not None and any(not torch.equal(slices[i], slices[i - i % copies]) for i in range(world)):
+        differ.append(name)
+    return torch.cat(slices[::copies], dim=dim)
+
+
+def _tp_any(flag: bool) -> bool:
+    """`flag` of any rank of vLLM's TP group (a collective when TP > 1)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    return bool(t.item())
 
 
 def _linear_weight(mod: torch.nn.Module, materialize: bool, rows_per_probe: int = 1024) -> torch.Tensor:

@@ -12,8 +12,10 @@ sets up a world of its own through the same module-level torch.distributed state
 
 What this module does (one engine per process at a time, all under `DIST_SWAP_LOCK`):
 - `vllm_world()` wraps the engine's creation: our default group is hidden (so vLLM creates
-  its own one-rank world), the counter is moved to a private range (names never collide with
-  ours), and afterwards our default group and counter are put back exactly as they were. The
+  its own world: one rank, or a tensor-parallel replica's ranks through env://), the counter
+  is moved to a private range (names never collide with ours; a TP engine's range comes from
+  its replica's agreed master port, `tp_name_base`, so that all its ranks name their groups
+  alike even when their processes ran different engines before), and afterwards our default group and counter are put back exactly as they were. The
   groups vLLM made are remembered in a `VLLMWorld`.
 - `destroy_vllm_world(world)` tears down only those groups, with vLLM's own default group
   shown as the default while vLLM's destroy functions run; ours are untouched.
@@ -44,6 +46,8 @@ DIST_SWAP_LOCK = threading.RLock()  # one swap at a time; an engine's create/des
 PRIVATE_NAME_BASE = 1_000_000_000  # vLLM's group names start here (ours count up from 0)
 PRIVATE_NAME_STRIDE = 100_000  # each engine of the process gets its own range
 _engine_counter = itertools.count()
+# A TP engine's range: TP_NAME_BASE + master_port * PRIVATE_NAME_STRIDE (above every one-rank range).
+TP_NAME_BASE = 100_000_000_000
 _live: list["VLLMWorld"] = []  # the worlds of engines not yet destroyed (at most one in practice)
 
 
@@ -74,9 +78,19 @@ def internals_problem(c10d: Any = None) -> str | None:
             "world apart from the worker's needs (roles/vllm_world.py; checked with torch 2.13)")
 
 
+def tp_name_base(master_port: int) -> int:
+    """The first private group name of a TP engine whose replica meets at `master_port`: the
+    same on every rank (the driver agrees the port per start), unlike the per-process counter."""
+    if not 0 < int(master_port) < 65536:
+        raise ValueError(f"master_port must be a TCP port, got {master_port}")
+    return TP_NAME_BASE + int(master_port) * PRIVATE_NAME_STRIDE
+
+
 @contextmanager
-def vllm_world() -> Iterator[VLLMWorld]:
+def vllm_world(name_base: int | None = None) -> Iterator[VLLMWorld]:
     """Run vLLM's distributed set-up inside this block (see the module docstring).
+    `name_base`: the first private group name (a TP engine's `tp_name_base`); None: the next
+    one-rank range of this process.
 
     On an exception inside the block, whatever vLLM had created is destroyed before the
     exception propagates, and our world is restored either way.
@@ -92,7 +106,8 @@ def vllm_world() -> Iterator[VLLMWorld]:
         ours, ours_count = c10d._world.default_pg, c10d._world.group_count
         before = set(c10d._world.pg_map)
         c10d._update_default_pg(None)
-        c10d._world.group_count = PRIVATE_NAME_BASE + next(_engine_counter) * PRIVATE_NAME_STRIDE
+        c10d._world.group_count = (PRIVATE_NAME_BASE + next(_engine_counter) * PRIVATE_NAME_STRIDE
+                                   if name_base is None else int(name_base))
         ok = False
         try:
             yield world
