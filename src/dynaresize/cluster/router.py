@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import ray
 
+from dynaresize.cluster.replicas import ReplicaCall
 from dynaresize.cluster.watchdog import DevicesLost
 from dynaresize.pipeline.stepstate import StepRollout
 from dynaresize.pipeline.streamplan import StreamQueue
@@ -71,9 +72,12 @@ class _Item:
 
 @dataclass(eq=False)
 class _Engine:
+    """A replica's engine (keyed by its leader rank; its TP ranks get every call alike)."""
+
+    ranks: tuple[int, ...] = ()
     items: list[_Item] = field(default_factory=list)
     to_add: list = field(default_factory=list)  # requests for its next `serve` call
-    ref: Any = None  # its `serve` call in flight
+    ref: Any = None  # its `serve` call in flight (a replicas.ReplicaCall)
     running: int = 0  # requests it said it still runs
     pulls: list = field(default_factory=list)  # weight pulls queued before its next serve
     busy_until: float = 0.0  # end of the last span recorded (spans are the union of its items)
@@ -100,7 +104,7 @@ class StreamRouter:
 
     def release(self, step: int, groups: list[list[Any]]) -> None:
         """Queue `step` (its weights exist): its groups, or emulated one share per replica."""
-        n = max(1, len(self.cluster.assignment.devices(ROLLOUT)))
+        n = max(1, len(self.cluster.replicas()))
         items = self.cluster.pacing.rollout_chunks(step, groups, n, stream=True)
         self.items_per_step[step] = len(items)
         self.queue.release(step, items)
@@ -108,14 +112,22 @@ class StreamRouter:
         self.buffers.setdefault(step, StepRollout(step=step, remaining=[], t0=time.time()))
 
     def set_engines(self, devices, version: int) -> None:
-        for d in devices:
-            self.queue.add_engine(d, version)
-            self.engines[d] = _Engine()
+        """The replicas of the current assignment that hold `devices` serve from now on."""
+        want = set(devices)
+        for rep in self.cluster.replicas():
+            if want & set(rep):
+                self.queue.add_engine(rep[0], version)
+                self.engines[rep[0]] = _Engine(ranks=rep)
 
     def remove_engines(self, devices) -> None:
-        for d in devices:
+        for d in self._leaders(devices):
             self.queue.remove_engine(d)
             self.engines.pop(d, None)
+
+    def _leaders(self, devices) -> list[int]:
+        """The engines (leader ranks) of the replicas holding any of `devices`."""
+        want = set(devices)
+        return [d for d, e in self.engines.items() if want & set(e.ranks)]
 
     # ------------------------------------------------------------------ pumping
 
@@ -126,20 +138,21 @@ class StreamRouter:
         c = self.cluster
         for d in c.assignment.devices(ROLLOUT):
             e = self.engines.get(d)
-            while e is not None and d not in c.watchdog.lost:
+            while e is not None and not self._down(e):
                 nxt = self.queue.next_for(d, admitting=self._admitting(e), partial=self.partial)
                 if nxt is None:
                     break
                 now, pull_s = time.time(), 0.0
-                c.reach("rollout", nxt.step, [d])  # the fault point of generating (cluster/faults.py)
+                c.reach("rollout", nxt.step, list(e.ranks))  # the fault point of generating (cluster/faults.py)
                 if nxt.pull:
                     snap = self.weights(nxt.version)
-                    c.reach("weight_sync", nxt.step, [d])  # the fault point of a pull (cluster/faults.py)
-                    pull = c.pacing.call(c.workers[d], "restore_rollout", nxt.version, snap.metas, *snap.params,
-                                         pace_s=c.pacing.sync_s(), step=nxt.step)
-                    if self.digests is not None and nxt.version in self.digests:
-                        pull = (pull, c.workers[d].engine_digest.remote())
-                    e.pulls.append((nxt.step, pull))
+                    c.reach("weight_sync", nxt.step, list(e.ranks))  # the fault point of a pull (cluster/faults.py)
+                    for r in e.ranks:  # every TP rank loads the full weights (its loaders slice them)
+                        pull = c.pacing.call(c.workers[r], "restore_rollout", nxt.version, snap.metas, *snap.params,
+                                             pace_s=c.pacing.sync_s(), step=nxt.step)
+                        if self.digests is not None and nxt.version in self.digests:
+                            pull = (pull, c.workers[r].engine_digest.remote())
+                        e.pulls.append((nxt.step, r, pull))
                     pull_s = c.pacing.wall_s(c.pacing.sync_s())
                     for it in e.items:  # partial rollout: the tails pause for the pull
                         it.due = {s: t + pull_s for s, t in it.due.items()}
@@ -154,10 +167,14 @@ class StreamRouter:
         """A `serve` call to every engine with requests to start or still running and none in flight."""
         c = self.cluster
         for d, e in self.engines.items():
-            if e.ref is None and (e.to_add or e.running) and d not in c.watchdog.lost:
-                e.ref = c.workers[d].serve.remote(e.to_add, SERVE_SLICE_S)
+            if e.ref is None and (e.to_add or e.running) and not self._down(e):
+                e.ref = ReplicaCall(lambda r: c.workers[r].serve.remote(e.to_add, SERVE_SLICE_S), e.ranks)
                 e.to_add, e.running = [], len(e.to_add) + e.running
-                inflight[e.ref] = d
+                inflight.update(e.ref.refs)
+
+    def _down(self, e: _Engine) -> bool:
+        """A replica with a lost rank is lost whole."""
+        return any(r in self.cluster.watchdog.lost for r in e.ranks)
 
     def pump(self, until: Callable[[], bool], where: str, wait: Callable[[float], Any] | None = None) -> None:
         """Dispatch, serve and deliver until `until()`. With nothing in flight and nothing due,
@@ -165,7 +182,7 @@ class StreamRouter:
         c = self.cluster
         tracker = c.watchdog.tracker(where)
         last_poll = time.time()
-        inflight = {e.ref: d for d, e in self.engines.items() if e.ref is not None}
+        inflight = {ref: r for e in self.engines.values() if e.ref is not None for ref, r in e.ref.refs.items()}
         while True:
             self._deliver_due()
             self._dispatch()
@@ -185,19 +202,20 @@ class StreamRouter:
                 continue
             last_poll = time.time()
             done, lost = tracker.poll(inflight, first=True)  # pings the busy engines (watchdog.py)
-            for ref, d, ok, res in done:
-                self._collect(d, ok, res)
+            for ref, r, ok, res in done:
+                e = next((x for x in self.engines.values() if x.ref is not None and ref in x.ref.refs), None)
+                if e is not None and not self._down(e) and e.ref.take(ref, res):
+                    self._collect(e.ranks[0], e.ref.result())
             if lost:
                 self._lost(lost, where)
 
-    def _collect(self, d: int, ok: bool, res: Any) -> None:
-        """A `serve` call came back: its pulls ended too; results held until due (emulated) or delivered."""
+    def _collect(self, d: int, res: Any) -> None:
+        """A `serve` call came back (from every rank): its pulls ended too; results held until
+        due (emulated) or delivered."""
         e = self.engines[d]
         e.ref = None
-        if not ok:
-            raise res  # the engine's own error: nothing to retry
-        for step, pull in e.pulls:
-            self._pulled(d, step, pull)
+        for step, r, pull in e.pulls:
+            self._pulled(r, step, pull)
         e.pulls = []
         e.running = int(res["running"])
         for r in res["results"]:
@@ -237,11 +255,12 @@ class StreamRouter:
             c.pacing.note({"paced_from": item.t0, "paced_s": max(item.due.values()) - item.t0,
                            "real_s": item.real_end - item.t0})
         start = max(item.t0, e.busy_until)
-        if end > start:  # spans are the union of what the engine ran (admitted items overlap)
-            buf.calls.append((dev, start, end))
-            buf.busy_s[dev] = buf.busy_s.get(dev, 0.0) + end - start
-            self.calls.append((dev, item.step, start, end))
-        buf.last_end[dev] = max(buf.last_end.get(dev, end), end)
+        for rank_dev in [c.ids[r] for r in e.ranks]:  # every TP rank of the replica ran it
+            if end > start:  # spans are the union of what the engine ran (admitted items overlap)
+                buf.calls.append((rank_dev, start, end))
+                buf.busy_s[rank_dev] = buf.busy_s.get(rank_dev, 0.0) + end - start
+                self.calls.append((rank_dev, item.step, start, end))
+            buf.last_end[rank_dev] = max(buf.last_end.get(rank_dev, end), end)
         e.busy_until = max(e.busy_until, end)
 
     def _next_due(self) -> float | None:
@@ -277,10 +296,9 @@ class StreamRouter:
         return back
 
     def _lost(self, lost: dict[int, str], where: str) -> None:
-        for d in lost:
-            if d in self.engines:
-                self.put_back_ids += [tuple(r.sample_id) for r in self._hand_back(d, self.engines[d])]
-                self.engines[d] = _Engine()
+        for d in self._leaders(lost):  # a replica with a lost rank is lost whole
+            self.put_back_ids += [tuple(r.sample_id) for r in self._hand_back(d, self.engines[d])]
+            self.engines[d] = _Engine(ranks=self.engines[d].ranks)
         raise DevicesLost(lost, where)
 
     # ------------------------------------------------------------------ recovery
@@ -304,24 +322,28 @@ class StreamRouter:
         """The `migrate_requests` op (see the module docstring): one entry per device with the
         requests it handed on (`requests_moved`)."""
         c = self.cluster
-        self.queue.close(devices)
+        leaders = self._leaders(devices)
+        self.queue.close(leaders)
         out = []
         for d in devices:
             t0 = time.time()
             e = self.engines.get(d)
-            if e is None:
+            if e is None:  # a device of no replica, or a TP rank that is not its replica's leader
                 out.append({"t0": t0, "t1": time.time(), "requests_moved": 0})
                 continue
             if e.ref is not None:  # its last serve call: collect what it finished
-                res = c.wait([(d, e.ref)], f"migrate {c.ids[d]}")[0]
-                self._collect(d, True, res)
-            stopped = c.wait([(d, c.workers[d].serve.remote([], 0.0, abort_all=True, keep=self.partial))],
-                             f"migrate {c.ids[d]}")[0]
+                for ref, value in zip(e.ref.refs, c.wait([(r, ref) for ref, r in e.ref.refs.items()],
+                                                          f"migrate {c.ids[d]}")):
+                    e.ref.take(ref, value)
+                self._collect(d, e.ref.result())
+            call = ReplicaCall(lambda r: c.workers[r].serve.remote([], 0.0, abort_all=True, keep=self.partial), e.ranks)
+            answers = c.wait([(r, ref) for ref, r in call.refs.items()], f"migrate {c.ids[d]}")
+            stopped = answers[list(call.refs.values()).index(d)]
             moved = len(self._hand_back(d, e, {tuple(r.sample_id): r for r in stopped["moved"]}, ran=self.partial))
             now = time.time()
             for span in e.spans:
                 span[1] = now if span[1] is None else span[1]
-            self.engines[d] = _Engine(spans=e.spans)
+            self.engines[d] = _Engine(ranks=e.ranks, spans=e.spans)
             out.append({"t0": t0, "t1": time.time(), "requests_moved": moved})
         return out
 
@@ -329,21 +351,23 @@ class StreamRouter:
         """Route nothing new to `devices`; pump until none of them has a request in flight.
         Returns the drain's wall start and end."""
         t0 = time.time()
-        self.queue.close(devices)
-        self.pump(lambda: self.queue.idle(devices), f"drain {list(devices)}")
+        leaders = self._leaders(devices)
+        self.queue.close(leaders)
+        self.pump(lambda: self.queue.idle(leaders), f"drain {list(devices)}")
         return t0, time.time()
 
     def pull_all(self, version: int) -> None:
         """Every (drained) rollout engine pulls `version` now (before evaluation)."""
         c = self.cluster
         snap = self.weights(version)
-        devices = [d for d in c.assignment.devices(ROLLOUT) if self.queue.engine_version.get(d) != version]
+        devices = [r for d, e in self.engines.items() if self.queue.engine_version.get(d) != version for r in e.ranks]
         out = c.wait([(d, c.pacing.call(c.workers[d], "restore_rollout", version, snap.metas, *snap.params,
                                         pace_s=c.pacing.sync_s())) for d in devices], f"rollout weights {version}")
         for d, r in zip(devices, out):
             c.pacing.note(r, stage=False)
             self.pulls.append({**r, "device": c.ids[d]})
-            self.queue.engine_version[d] = version
+            if d in self.engines:
+                self.queue.engine_version[d] = version
         for d in c.assignment.devices(ROLLOUT):
             self.queue.closed.discard(d)
 

@@ -157,6 +157,7 @@ def restore(cluster: Any, train: Snapshot, rollout: Snapshot) -> list[dict]:
     a = cluster.assignment
     trainers, rollers = a.devices(TRAIN), a.devices(ROLLOUT)
     new = cluster.layout_for(trainers)  # the trainers' own layout at the new size
+    cluster.place_replicas(rollers)  # every replica is new after a recovery (cluster/replicas.py)
     calls = []
     for d in trainers:
         metas, refs = train.train_args([list(p) for p in new.rank_pieces(d)])

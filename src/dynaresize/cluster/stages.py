@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynaresize.cluster import replicas
 from dynaresize.roles.base import GenRequest
 from dynaresize.types import ROLLOUT, TRAIN
 
@@ -43,50 +44,62 @@ class StagesMixin:
         return self._executor.submit(self.rollout, step, groups, self.assignment.devices(ROLLOUT))
 
     def rollout(self, step: int, groups: list[list[GenRequest]], devices: tuple[int, ...]) -> RolloutOutcome:
-        """A router with continuous dispatch: each free rollout device takes the next prompt
-        group, so a device whose requests are done gets more work while any is left.
+        """A router with continuous dispatch: each free rollout replica takes the next prompt
+        group, so a replica whose requests are done gets more work while any is left. A
+        replica is one device, or `rollout.tensor_parallel` devices that each get the call
+        (cluster/replicas.py); its leader's answer is the replica's.
 
         A lost device's group goes back to the front of the queue (same ids and seeds) and the
-        stage goes on with the other devices; groups left when no device is left come back in
-        `remaining`. Devices in the outcome are device ids (`ids`), not ranks."""
+        stage goes on with the other replicas (a replica with a lost rank is lost whole); groups
+        left when no replica is left come back in `remaining`. Devices in the outcome are
+        device ids (`ids`), not ranks."""
         self.reach("rollout", step, devices[:len(groups)])
         t0 = time.time()
         ids = self.ids
         queue = list(groups)
-        inflight: dict[Any, int] = {}
-        sent: dict[Any, list[GenRequest]] = {}
-        free = [d for d in devices if d not in self.watchdog.lost]
-        queue = self.pacing.rollout_chunks(step, queue, len(free))  # emulated: one batch per device
+        reps = replicas.leader_of(replicas.replicas_of(devices, self.cfg.rollout.tensor_parallel))
+        inflight: dict[Any, int] = {}  # every rank's ref -> rank
+        sent: dict[int, tuple[list[GenRequest], replicas.ReplicaCall]] = {}  # leader -> its group, its call
+        down = lambda d: any(r in self.watchdog.lost for r in reps[d])  # noqa: E731
+        free = [d for d in devices if d == reps[d][0] and not down(d)]
+        queue = self.pacing.rollout_chunks(step, queue, len(free))  # emulated: one batch per replica
         out: list[tuple[int, Any]] = []
         busy = {ids[d]: 0.0 for d in devices}
         last_end = {ids[d]: t0 for d in devices}
         calls: list[tuple[int, float, float]] = []
         reissued: list[tuple[int, int, int]] = []
         tracker = self.watchdog.tracker(f"rollout {step}")
-        while queue or inflight:
+        while queue or sent:
             while queue and free:
                 d = free.pop(0)
                 pace_s = getattr(queue[0], "pace_s", None)  # emulated busy seconds (pacing.py)
-                ref = self.pacing.call(self.workers[d], "generate", queue[0], step, pace_s=pace_s)
-                inflight[ref], sent[ref] = d, queue.pop(0)
-            if not inflight:
-                break  # groups left and no rollout device left: the caller recovers first
+                call = replicas.ReplicaCall(
+                    lambda r: self.pacing.call(self.workers[r], "generate", queue[0], step, pace_s=pace_s), reps[d])
+                inflight.update(call.refs)
+                sent[d] = (queue.pop(0), call)
+            if not sent:
+                break  # groups left and no rollout replica left: the caller recovers first
             done, _ = tracker.poll(inflight, first=True)
-            for ref, d, ok, res in done:
-                sent.pop(ref)
-                if not ok:
-                    raise res  # the engine's own error, not a lost device: nothing to retry
-                self.pacing.note(res)
-                out.extend((ids[d], r) for r in res["results"])
-                busy[ids[d]] += res["t1"] - res["t0"]
-                last_end[ids[d]] = max(last_end[ids[d]], res["t1"])
-                calls.append((ids[d], res["t0"], res["t1"]))
+            for ref, r, ok, res in done:
+                d = reps[r][0]
+                # a rank of a replica already lost: its answer (or error) is moot; else wait for all
+                if d not in sent or down(d) or not sent[d][1].take(ref, res):
+                    continue
+                first = sent.pop(d)[1].result()
+                self.pacing.note(first)
+                out.extend((ids[d], x) for x in first["results"])
+                for rank in reps[d]:  # every rank of a replica was busy for it
+                    busy[ids[rank]] += first["t1"] - first["t0"]
+                    last_end[ids[rank]] = max(last_end[ids[rank]], first["t1"])
+                    calls.append((ids[rank], first["t0"], first["t1"]))
                 free.append(d)
-            for ref in [r for r in sent if r not in inflight]:  # its device was lost
-                group = sent.pop(ref)
+            for d in [d for d in sent if down(d)]:  # a rank of it was lost
+                group, call = sent.pop(d)
+                for ref in call.refs:
+                    inflight.pop(ref, None)
                 reissued += [req.sample_id for req in group]
                 queue.insert(0, group)
-            free = [d for d in free if d not in self.watchdog.lost]
+            free = [d for d in free if not down(d)]
         return RolloutOutcome(results=out, t0=t0, t1=time.time(), busy_s=busy, last_end=last_end, calls=calls,
                               remaining=queue, reissued=reissued)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import ray
 import torch
@@ -47,8 +47,10 @@ from dynaresize.cluster.worker_train import TrainStageMixin
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import CommPool
 from dynaresize.config import RunConfig
+from dynaresize.errors import ConfigError
 from dynaresize.config_load import build_config
 from dynaresize.reshard.layout import RowChunkLayout
+from dynaresize.rl.env import env_spec
 from dynaresize.rl.models import build_model
 from dynaresize.roles.base import GenRequest, resolve_engine
 from dynaresize.roles.factory import rollout_engine_from_config
@@ -90,6 +92,8 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         self.trainer: FSDPTrainer | None = None
         self.engine = None
         self._parked = None  # an engine kept warm while this device trains (rollout.engine_release=park)
+        self._parked_ranks: tuple[int, ...] = ()  # the replica a parked engine belongs to
+        self._replica: tuple[tuple[int, ...], Any] = ((self.device,), None)  # (ranks, TPPlacement or None)
         self.train_ranks: tuple[int, ...] = ()
         self._specs: list | None = None
         self._full: dict[str, torch.Tensor] | None = None  # full weights held for the engine to start with
@@ -146,15 +150,39 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         return FSDPTrainer(self.spec, ranks=ranks, rank=self.device, group=self.pool.get(ranks),
                            device=self.torch_device, init_model=build_model(self.cfg.model) if init else None)
 
+    def set_replica(self, ranks: Sequence[int], master_addr: str, master_port: int) -> dict:
+        """This device is TP rank `ranks.index(device)` of the rollout replica over `ranks`
+        (`rollout.tensor_parallel` > 1; cluster/replicas.py). Queued by the driver before the
+        call that starts the replica's engines; the port is new for each replica formed, and an
+        engine of another replica (a recovery re-forms them all) is released here."""
+        from dynaresize.roles.base import TPPlacement
+
+        ranks = tuple(int(r) for r in ranks)
+        tp = TPPlacement(size=len(ranks), rank=ranks.index(self.device), master_addr=str(master_addr),
+                         master_port=int(master_port))
+        if self.engine is not None and self._replica != (ranks, tp):
+            self._forget_requests()
+            self.engine.release()
+            self.engine = None
+        self._replica = (ranks, tp)
+        return {"ranks": list(ranks), "tp_rank": tp.rank}
+
     def _new_engine(self):
         """The rollout engine this device serves with: the parked one woken when there is one
-        (one vLLM engine per process), else a new one (started by its first `set_weights`)."""
+        (one vLLM engine per process) and it belongs to this device's replica, else a new one
+        (started by its first `set_weights`; a TP rank's start is collective over its replica)."""
+        ranks, tp = getattr(self, "_replica", ((), None))  # (test stand-ins of the worker hold none)
+        if self._parked is not None and getattr(self, "_parked_ranks", ranks) != ranks:  # its TP peers are others now
+            self._parked.release()
+            self._parked = None
         if self._parked is not None:
             engine, self._parked = self._parked, None
             if hasattr(engine, "unpark"):
                 engine.unpark()
             return engine
         extra = {"device": self.torch_device} if self._engine_name() == "hf" else {}
+        if tp is not None:
+            extra["tp"] = tp
         return rollout_engine_from_config(self.cfg, **extra)
 
     def _engine_name(self) -> str:
@@ -267,8 +295,15 @@ def worker_config(cfg: RunConfig) -> dict:
     resolved once on the driver (it looks at the host), so every device runs the same engine."""
     from dynaresize.config_load import config_to_dict
 
+    k = cfg.rollout.tensor_parallel
+    if k > 1 and env_spec(cfg.task):
+        raise ConfigError([f"rollout.tensor_parallel={k}: must be 1 with a multi-turn task (task {cfg.task.name}): "
+                           "a TP replica's ranks run in lockstep, environment calls do not"])
     out = config_to_dict(cfg)
     out["rollout"]["engine"] = resolve_engine(cfg)
+    if k > 1 and out["rollout"]["engine"] != "vllm":
+        raise ConfigError([f"rollout.tensor_parallel={k}: needs the vllm engine (rollout.engine={cfg.rollout.engine} "
+                           f"runs {out['rollout']['engine']} here, which serves a replica on one device only)"])
     env = cfg.task.env
     if env and env.rsplit(":", 1)[0].endswith(".py"):  # a file: as the driver sees it, whatever the worker's cwd
         out["task"]["env"] = f"{os.path.abspath(env.rsplit(':', 1)[0])}:{env.rsplit(':', 1)[1]}"

@@ -148,7 +148,7 @@ class ResizeOpsMixin:
             # Kept warm for the next move to rollout; where the engine cannot free memory while
             # parked (vLLM on CPU, the HF engine) its memory stays in use.
             freed = bool(self.engine.park()) if hasattr(self.engine, "park") else False
-            self._parked = self.engine
+            self._parked, self._parked_ranks = self.engine, getattr(self, "_replica", ((), None))[0]
         elif self.engine is not None:
             self.engine.release()
         self._forget_requests()  # the router moved them first (migrate_requests)

@@ -39,6 +39,9 @@ from dynaresize.roles.base import GenRequest, GenResult, SampleId
 from dynaresize.roles.multiturn import RESUME_SEED_STRIDE, TurnEngine, TurnLoop  # noqa: F401 (a resumed request's stream)
 
 
+LOCKSTEP_ITERATIONS = 8  # a TP replica's slice: engine iterations per `serve` call on every rank
+
+
 @dataclass
 class _Serving:
     request: GenRequest  # as the driver sent it (prefix included)
@@ -84,6 +87,11 @@ def _normal(versions: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class ServeMixin:
     """`DeviceWorker` methods for request-level rollout (attributes: `engine`, `cfg`, `device`)."""
 
+    def _tp_size(self) -> int:
+        """Devices of this device's rollout replica (`DeviceWorker.set_replica`; 1 without)."""
+        replica = getattr(self, "_replica", None)
+        return 1 if replica is None else len(replica[0])
+
     def _stepper(self):
         """The engine as the worker drives it: with a multi-turn task, inside its turn loop."""
         loop = self._turn_loop()
@@ -124,11 +132,16 @@ class ServeMixin:
             stepper.add([engine_request(r) for r in add])
         results: list[GenResult] = []
         deadline = t0 + max(0.0, float(max_s))
+        # A TP replica's ranks run in lockstep: each must run the same iterations between the
+        # same calls, so the slice is counted in iterations there, not read off its own clock.
+        lockstep = self._tp_size() > 1
+        iterations = 0
         while stepper.has_unfinished() and not abort_all:
             for res in stepper.step():
                 s = serving.pop(tuple(res.sample_id))
                 results.append(whole_result(s.request, res, s.versions))
-            if results or time.time() >= deadline:
+            iterations += 1
+            if results or (iterations >= LOCKSTEP_ITERATIONS if lockstep else time.time() >= deadline):
                 break
         return {"results": results, "moved": moved, "running": len(serving), "t0": t0, "t1": time.time(),
                 "device": self.device}

@@ -125,7 +125,8 @@ class Run(StepReporting):
 
             raise ConfigError([f"cluster.rollout_devices={assignment.num_rollout}: the starting split breaks the "
                                f"policy's bounds ({why}; policy.min_rollout={cfg.policy.min_rollout}, "
-                               f"policy.min_train={cfg.policy.min_train}, policy.move_unit={cfg.policy.move_unit})"])
+                               f"policy.min_train={cfg.policy.min_train}, policy.move_unit={cfg.policy.move_unit}, "
+                               f"rollout.tensor_parallel={cfg.rollout.tensor_parallel})"])
         controller = Controller(policy=policy, bounds=bounds, assignment=assignment)
         controller.continue_resize_ids(state.get("next_resize_id", 0))  # ids stay unique across a resume
         return controller, assignment

@@ -36,6 +36,7 @@ import numpy as np
 
 from dynaresize.costmodel.costs import HARDWARE_PRESETS, MODEL_PRESETS, get_hardware, get_model, op_cost
 from dynaresize.costmodel.stages import Batch, StageModel
+from dynaresize.errors import ConfigError
 from dynaresize.types import Bounds, StepReport
 from dynaresize.workload import batch_for_step
 
@@ -83,21 +84,35 @@ def emulated_bounds(target: Target, policy: Any, num_devices: int) -> Bounds:
     from dynaresize.costmodel.costs import min_train_devices
 
     model, hw = get_model(target.model), get_hardware(target.accelerator)
-    tp = model.rollout_tp
+    return replica_bounds(model.rollout_tp, policy, num_devices,
+                          min_train=max(policy.min_train, min_train_devices(model, hw)))
+
+
+def replica_bounds(tp: int, policy: Any, num_devices: int, *, min_train: int) -> Bounds:
+    """Bounds where a rollout replica spans `tp` devices: the move unit is the policy's rounded up
+    to whole replicas, and the least rollout pool is one move unit at least."""
     unit = -(-max(policy.move_unit, tp) // tp) * tp
     min_rollout = -(-max(policy.min_rollout, tp) // unit) * unit
-    return Bounds(num_devices=num_devices, min_rollout=min_rollout,
-                  min_train=max(policy.min_train, min_train_devices(model, hw)), move_unit=unit,
+    return Bounds(num_devices=num_devices, min_rollout=min_rollout, min_train=min_train, move_unit=unit,
                   allowed_rollout=tuple(getattr(policy, "allowed_rollout", ())))
 
 
 def run_bounds(cfg: Any) -> Bounds:
-    """The bounds of a run: the policy's limits, raised to the emulated hardware's when emulating."""
+    """The bounds of a run: the policy's limits, rounded to whole rollout replicas
+    (`rollout.tensor_parallel` devices each) and raised to an emulated accelerator's. Emulated,
+    a replica is the emulated model's (its TP size, the move unit) and the tiny real engines
+    behind it are TP1 ones, each paced for its part of the replica's share."""
     c, p = cfg.cluster, cfg.policy
+    k = int(getattr(cfg.rollout, "tensor_parallel", 1))
     if getattr(c, "emulate", None):
-        return emulated_bounds(parse(c.emulate), p, c.devices)
-    return Bounds(num_devices=c.devices, min_rollout=p.min_rollout, min_train=p.min_train, move_unit=p.move_unit,
-                  allowed_rollout=tuple(getattr(p, "allowed_rollout", ())))
+        target = parse(c.emulate)
+        if k != 1:
+            tp = get_model(target.model).rollout_tp
+            raise ConfigError([f"rollout.tensor_parallel={k}: emulated runs pace TP1 engines as the emulated "
+                               f"model's replicas ({target.model}: TP{tp}, moved {tp} devices at a time); "
+                               "set 1 with cluster.emulate"])
+        return emulated_bounds(target, p, c.devices)
+    return replica_bounds(k, p, c.devices, min_train=p.min_train)
 
 
 class Emulator:
