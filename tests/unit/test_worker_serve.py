@@ -134,3 +134,20 @@ def test_engine_request_and_whole_result_put_the_prefix_around_the_engine():
     assert whole.response_ids == [5, 6, 7, 8, 9, 10] and whole.logprobs[:2] == [-0.5, -0.25]
     assert whole.version == 0 and whole.versions == ((0, 0), (1, 2))
     assert whole_result(r, res, [(0, 0), (0, 2)]).versions == ()  # one version: no marks
+
+
+def test_a_tp_rank_counts_its_serve_slice_in_iterations_not_by_its_clock(w0):
+    """A TP replica's ranks must run the same iterations between two calls: with a replica of
+    two (`set_replica`) a slice is LOCKSTEP_ITERATIONS engine iterations whatever `max_s` says;
+    one device alone stops at its deadline (here at once: one iteration)."""
+    from dynaresize.cluster.worker_serve import LOCKSTEP_ITERATIONS
+
+    alone = Server(w0, 0, partial=False)
+    alone.serve([_req(0, 40)], 0.0)
+    assert len(alone.engine.progress()[(3, 0, 0)][0]) == 1
+    rank = Server(w0, 0, partial=False)
+    rank._replica = ((0, 1), None)
+    rank.serve([_req(0, 40)], 0.0)
+    assert len(rank.engine.progress()[(3, 0, 0)][0]) == LOCKSTEP_ITERATIONS
+    rank.serve((), 1e6)  # a long deadline does not lengthen it either
+    assert len(rank.engine.progress()[(3, 0, 0)][0]) == 2 * LOCKSTEP_ITERATIONS
