@@ -58,10 +58,10 @@ def test_place_sends_a_fresh_rendezvous_to_every_rank_of_tp_replicas_only():
             self.set_replica = SimpleNamespace(remote=lambda ranks, addr, port: sent.append((d, tuple(ranks), port)))
 
     workers = [_W(d) for d in range(6)]
-    replicas.place(workers, [(0,), (2, 3), (4, 5)], lambda d: "10.0.0.1")
-    assert [(d, r) for d, r, _ in sent] == [(2, (2, 3)), (3, (2, 3)), (4, (4, 5)), (5, (4, 5))]
-    ports = {r: p for _, r, p in sent}
-    assert len({p for _, _, p in sent}) == 2 and all(0 < p < 65536 for p in ports.values())
+    answers = iter([5000, 5000, 5001])  # the node hands the same free port out twice: asked again
+    placed = replicas.place(workers, [(0,), (2, 3), (4, 5)], lambda d: "10.0.0.1", lambda d: next(answers))
+    assert [d for d, _ in placed] == [2, 3, 4, 5]
+    assert sent == [(2, (2, 3), 5000), (3, (2, 3), 5000), (4, (4, 5), 5001), (5, (4, 5), 5001)]
 
 
 def test_bounds_keep_the_rollout_pool_whole_replicas():

@@ -38,6 +38,7 @@ from dynaresize.comm.pool import rank_sets_for_split
 from dynaresize.config import RunConfig
 from dynaresize.control import planner
 from dynaresize.emulate.model import run_bounds
+from dynaresize.errors import ConfigError
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan
 
 PREWARM_ALL_SPLITS = 8  # up to this many legal splits, pre-warm the groups of all of them
@@ -108,6 +109,7 @@ class Cluster(StagesMixin):
                                                            cpus_per_device=cfg.cluster.cpus_per_device), **env)
                         .remote(d, cfg_dict) for d in range(self.num_devices)]
         self._place()  # nodes by device id, the `placement` record, node faults (docs/cluster.md)
+        self._check_replica_nodes()
         armed = self.faults.arm(self.worker_of)
         self.wait([(self.ids.index(a.spec.device), ref) for a, ref in zip(self.faults.faults, armed)], "arm faults")
         port = self.wait([(0, self.workers[0].free_port.remote())], "start")[0]
@@ -138,6 +140,16 @@ class Cluster(StagesMixin):
                                     "node_names": [names.get(n, n) for n in self.nodes],
                                     "num_nodes": len(set(self.nodes))})
 
+    def _check_replica_nodes(self) -> None:
+        """Every split the bounds allow keeps each TP replica on one node (the rollout pool is
+        the first ranks), so no move finds out half-way: a config error before anything starts."""
+        k = self.cfg.rollout.tensor_parallel
+        for r in (self.bounds.splits() if k > 1 else ()):
+            try:
+                replicas.replicas_of(range(r), k, self.node_of)
+            except RuntimeError as exc:
+                raise ConfigError([f"rollout.tensor_parallel={k}: with {r} rollout devices {exc}"]) from None
+
     def node_of(self, rank: int) -> str:
         """The Ray node id of the worker at world rank `rank` (this generation)."""
         return self.nodes[self.ids[rank]]
@@ -153,7 +165,11 @@ class Cluster(StagesMixin):
         rank and a fresh rendezvous (queued ahead of the calls that start their engines)."""
         want = set(devices)
         reps = [rep for rep in self.replicas(assignment) if want & set(rep)]
-        replicas.place(self.workers, reps, lambda d: self.node_addresses.get(self.node_of(d), ("127.0.0.1", 0))[0])
+        placed = replicas.place(self.workers, reps,
+                                lambda d: self.node_addresses.get(self.node_of(d), ("127.0.0.1", 0))[0],
+                                lambda d: self.wait([(d, self.workers[d].rendezvous_port.remote())], "port")[0])
+        if placed:
+            self.wait(placed, "form rollout replicas")
 
     def stop(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

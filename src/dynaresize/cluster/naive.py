@@ -171,6 +171,7 @@ def naive_resize(cluster: Cluster, plan: ResizePlan, *, version: int, step: int,
         # 6. Reload trainer state at the new training world size; rebuild rollout engines, side by side.
         train, rollout = plan.dst.devices(TRAIN), plan.dst.devices(ROLLOUT)
         t0 = time.time()
+        cluster.place_replicas(rollout, plan.dst)  # TP replicas: each rank learns its peers first
         pending = {workers[d].load_checkpoint.remote(str(ckpt_dir), train): (LOAD_CHECKPOINT, d) for d in train}
         pending.update({workers[d].start_rollout.remote(version): (BUILD_ENGINES, d) for d in rollout})
         while pending:  # per-device ends as the driver sees them (the calls return no times)

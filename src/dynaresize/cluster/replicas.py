@@ -8,16 +8,15 @@ Invariants:
 - its first rank, the leader, answers for it (results, progress); every rank gets the same calls
   in the same order with the same arguments (`call`), since each rank runs its own copy of vLLM's
   scheduler in lockstep with the others (`serve` counts its slice in iterations there);
-- a replica is formed with a fresh rendezvous port (`place`), sent to its ranks before the call
-  that starts their engines; with k = 1 nothing is sent and every device is its own replica.
+- a replica is formed with a fresh rendezvous port on its leader's node (`place`), sent to its
+  ranks before the call that starts their engines; with k = 1 nothing is sent and every device
+  is its own replica.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from dynaresize.comm import rendezvous
 
 Replica = tuple[int, ...]
 
@@ -44,16 +43,23 @@ def leader_of(replicas: Sequence[Replica]) -> dict[int, Replica]:
     return {d: rep for rep in replicas for d in rep}
 
 
-def place(workers: Sequence[Any], replicas: Sequence[Replica], node_ip: Callable[[int], str]) -> list[Any]:
-    """Queue `set_replica` on every rank of `replicas` (nothing for TP1 replicas): a fresh port on
-    the leader's node for each. Returns the refs (ordered before any later call of the driver)."""
-    refs = []
-    for rep in replicas:
-        if len(rep) < 2:
-            continue
-        addr, port = node_ip(rep[0]), rendezvous.free_port()
-        refs += [workers[d].set_replica.remote(list(rep), addr, port) for d in rep]
-    return refs
+def place(workers: Sequence[Any], replicas: Sequence[Replica], node_ip: Callable[[int], str],
+          port_on: Callable[[int], int]) -> list[tuple[int, Any]]:
+    """Queue `set_replica` on every rank of `replicas` (nothing for TP1 replicas): a fresh port
+    for each, free on its leader's node (asked there) and not given to another replica of
+    this call (`port_on(rank)`: a free port on that rank's node). Returns (rank, ref) pairs, ordered before any later call of the driver."""
+    tp = [rep for rep in replicas if len(rep) > 1]
+    taken: set[tuple[str, int]] = set()
+    out = []
+    for rep in tp:
+        addr = node_ip(rep[0])
+        for _ in range(8):  # a port handed to another replica of this call: ask again
+            port = int(port_on(rep[0]))
+            if (addr, port) not in taken:
+                break
+        taken.add((addr, port))
+        out += [(d, workers[d].set_replica.remote(list(rep), addr, port)) for d in rep]
+    return out
 
 
 class ReplicaCall:

@@ -182,7 +182,7 @@ class StreamRouter:
         c = self.cluster
         tracker = c.watchdog.tracker(where)
         last_poll = time.time()
-        inflight = {ref: r for e in self.engines.values() if e.ref is not None for ref, r in e.ref.refs.items()}
+        inflight = {ref: e.ref.refs[ref] for e in self.engines.values() if e.ref is not None for ref in e.ref.waiting}
         while True:
             self._deliver_due()
             self._dispatch()

@@ -107,6 +107,12 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         return {"device": self.device, "pid": os.getpid(), "ip": rendezvous.node_ip(), "role": self.role,
                 "torch_device": str(self.torch_device)}
 
+    @ray.method(concurrency_group="ctl")
+    def rendezvous_port(self) -> int:
+        """A free port on this worker's node, answered at once on the ctl thread (a TP
+        replica's rendezvous, cluster/replicas.py), whatever the main thread is running."""
+        return rendezvous.free_port()
+
     def free_port(self) -> int:
         return rendezvous.free_port()
 

@@ -73,7 +73,13 @@ def _config(devices: int, model: dict, staging_bytes: int | None, overrides: lis
     data: dict = {"cluster": {"devices": devices, "rollout_devices": max(1, (devices - 1) // 2)}, "model": model}
     if staging_bytes is not None:
         data["reshard"] = {"staging_bytes": int(staging_bytes)}
-    return build_config(merge(data, apply_overrides({}, list(overrides))))
+    cfg = build_config(merge(data, apply_overrides({}, list(overrides))))
+    if cfg.rollout.tensor_parallel != 1:  # the bench moves one device at a time
+        from dynaresize.errors import ConfigError
+
+        raise ConfigError([f"rollout.tensor_parallel={cfg.rollout.tensor_parallel}: `bench resize` moves one "
+                           "device at a time; it measures TP1 replicas only"])
+    return cfg
 
 
 def _train_once(cluster, cfg) -> None:

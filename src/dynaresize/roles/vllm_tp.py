@@ -10,8 +10,9 @@ samples the tokens a one-rank engine of the same weights samples (log-probs diff
 all-reduce's summation order; tests/dist/test_rollout_vllm_tp.py measures both).
 
 What this module adds for the engine's creation (`tp_creation`):
-- vLLM's env:// rendezvous: RANK, LOCAL_RANK (= the TP rank), WORLD_SIZE, MASTER_ADDR and
-  MASTER_PORT are set while vLLM builds its world, then removed (or restored);
+- vLLM's env:// rendezvous: RANK, LOCAL_RANK (the TP rank on the CPU; 0 on CUDA, where an
+  actor sees only its own GPU), WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set while vLLM
+  builds its world, then removed (or restored);
 - vLLM's CPU shared-memory all-reduce is switched off for the engine's groups, so they use
   torch.distributed (gloo). Why: that communicator names its shared-memory segment after
   VLLM_DIST_IDENT, which under env:// is the same for every replica on a node (two replicas
@@ -63,7 +64,10 @@ def tp_creation(tp: TPPlacement | None) -> Iterator[None]:
         yield
         return
     saved = {k: os.environ.get(k) for k in LAUNCH_ENV}
-    os.environ.update(RANK=str(tp.rank), LOCAL_RANK=str(tp.rank), WORLD_SIZE=str(tp.size),
+    # LOCAL_RANK picks the device: each actor sees only its own GPU (cuda:0), so on CUDA it is 0
+    # for every rank; on the CPU vLLM binds threads by it, so there it is the TP rank.
+    local = 0 if _cuda() else tp.rank
+    os.environ.update(RANK=str(tp.rank), LOCAL_RANK=str(local), WORLD_SIZE=str(tp.size),
                       MASTER_ADDR=str(tp.master_addr), MASTER_PORT=str(tp.master_port))
     try:
         with _torch_distributed_communicators():
@@ -74,6 +78,12 @@ def tp_creation(tp: TPPlacement | None) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @contextmanager
