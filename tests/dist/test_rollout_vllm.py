@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import tempfile
 import time
 
@@ -31,56 +30,18 @@ pytestmark = [pytest.mark.dist,
 
 ray = pytest.importorskip("ray")
 
-TEMPERATURE = 0.8
+from _vllm_ranks import TEMPERATURE, RankBase, by_value, save_tiny_model, seeded_requests  # noqa: E402
+
 KV_BYTES = 256 << 20
 LOGPROB_TOL = 1e-4
 
 
-def _save_tiny_model(out_dir: str) -> str:
-    """Tied embeddings, GQA (4 query heads, 2 KV heads), head size 32: saved as an HF directory."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from dynaresize.rl.models import build_tokenizer, save_hf
-
-    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg).float()
-    save_hf(model, build_tokenizer(512), out_dir)
-    return out_dir
-
-
-def _requests(step: int):
-    from dynaresize.rl.seeds import sample_seed
-    from dynaresize.roles.base import GenRequest
-
-    out = []
-    for p in range(3):  # three prompts of different lengths, four samples each
-        prompt = [2] + [10 + 7 * p + k for k in range(3 + 4 * p)]
-        for s in range(4):
-            forced = 6 + 5 * s if s % 2 else None  # synthetic lengths and natural (EOS) ones
-            out.append(GenRequest((step, p, s), prompt, 12, sample_seed(5, step, p, s), forced))
-    return out
-
-
-class EngineActor:
+class EngineActor(RankBase):
     """A stand-in device worker: joins a gloo world, caches a group, then runs a vLLM engine."""
 
     def __init__(self, rank: int, model_dir: str) -> None:
-        import torch
-
-        torch.set_num_threads(1)
-        self.rank, self.model_dir = rank, model_dir
-        self.engine = None
-        self.groups = {}
-
-    def vllm_import_error(self) -> str | None:
-        from dynaresize.roles.base import vllm_import_error
-
-        return vllm_import_error()
+        super().__init__(model_dir)
+        self.rank = rank
 
     def preload(self) -> float:
         from dynaresize.roles.vllm_process import preload_vllm
@@ -88,47 +49,11 @@ class EngineActor:
         return preload_vllm()
 
     def join(self, init_method: str) -> str:
-        import torch.distributed as dist
-
         from dynaresize.comm import rendezvous
 
         rendezvous.init_world(rank=self.rank, world_size=2, init_method=init_method, backend="gloo",
                               timeout_s=60.0, generation=0)
         return self.new_group("before")
-
-    def new_group(self, tag: str) -> str:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
-        group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
-        self.groups[tag] = group
-        return c10d._world.pg_names[group]
-
-    def all_reduce(self) -> list[float]:
-        import torch
-        import torch.distributed as dist
-
-        out = []
-        for group in [None, *self.groups.values()]:
-            t = torch.tensor([float(self.rank + 1)])
-            dist.all_reduce(t, group=group)
-            out.append(float(t))
-        return out
-
-    def weights(self, perturb: float = 0.0):
-        import torch
-
-        from dynaresize.config import ModelConfig
-        from dynaresize.rl.models import build_model
-
-        sd = {k: v.detach().clone() for k, v in build_model(ModelConfig(path=self.model_dir)).state_dict().items()}
-        if perturb:
-            g = torch.Generator().manual_seed(123)
-            sd = {k: v + perturb * torch.randn(v.shape, generator=g) for k, v in sd.items()}
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # tied: one tensor
-        return sd
 
     def start(self, perturb: float = 0.0, version: int = 0, **rollout) -> dict:
         from dynaresize.config_load import build_config
@@ -171,7 +96,7 @@ class EngineActor:
         self.engine._llm.collective_rpc(corrupt)
 
     def generate(self, alone: bool = False, step: int = 0):
-        reqs = _requests(step)
+        reqs = seeded_requests(step)
         if alone:
             return [self.engine.generate([r])[0] for r in reqs]
         return self.engine.generate(reqs)
@@ -183,7 +108,7 @@ class EngineActor:
         """The engine driven request by request: half the requests added, three iterations,
         the rest added mid-generation and one of the first aborted; (results by id, aborted,
         the aborted one's tokens so far as `progress` gave them just before)."""
-        reqs = _requests(step)
+        reqs = seeded_requests(step)
         half = len(reqs) // 2
         self.engine.add(reqs[:half])
         got, steps, aborted, made = {}, 0, [], ([], [])
@@ -207,7 +132,7 @@ class EngineActor:
 
         model = build_model(ModelConfig(path=self.model_dir))
         model.load_state_dict(self.weights(perturb))
-        prompts = {r.sample_id: r.prompt_ids for r in _requests(results[0].sample_id[0])}
+        prompts = {r.sample_id: r.prompt_ids for r in seeded_requests(results[0].sample_id[0])}
         worst = 0.0
         with torch.no_grad():
             for res in results:
@@ -246,9 +171,9 @@ def actors():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     tmp = tempfile.TemporaryDirectory(prefix="dynaresize-vllm-test-")
     try:
-        model_dir = _save_tiny_model(os.path.join(tmp.name, "model"))
+        model_dir = save_tiny_model(os.path.join(tmp.name, "model"))
         # By value: Ray's workers cannot import this test module by name.
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        by_value(__name__)
         remote = ray.remote(num_cpus=1)(EngineActor)
         pair = [remote.remote(rank, model_dir) for rank in range(2)]
         problem = ray.get(pair[0].vllm_import_error.remote(), timeout=300)
@@ -297,7 +222,7 @@ def test_vllm_engine_in_a_worker_with_a_gloo_world(actors):
     assert 1 <= len(made[0]) == len(made[1]) and made[0] == by_id[aborted[0]].response_ids[:len(made[0])]
     assert set(stepped) == {r.sample_id for r in alone} - set(aborted)
     assert all(stepped[r.sample_id].response_ids == r.response_ids for r in alone if r.sample_id in stepped)
-    reqs = _requests(0)
+    reqs = seeded_requests(0)
     for req, res in zip(reqs, batched):
         assert res.sample_id == req.sample_id and res.version == 0 and len(res.logprobs) == len(res.response_ids)
         if req.forced_length is not None:

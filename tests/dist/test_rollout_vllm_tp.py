@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import tempfile
 import time
 
@@ -32,59 +31,18 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow,
 
 ray = pytest.importorskip("ray")
 
-TEMPERATURE = 0.8
+from _vllm_ranks import TEMPERATURE, RankBase, by_value, save_tiny_model, seeded_requests  # noqa: E402
+
 KV_BYTES = 64 << 20
 LOGPROB_TOL = 1e-5
-
-
-def _save_tiny_model(out_dir: str, kv_heads: int = 2) -> str:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from dynaresize.rl.models import build_tokenizer, save_hf
-
-    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
-                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg).float()
-    save_hf(model, build_tokenizer(512), out_dir)
-    return out_dir
-
-
-def _requests():
-    from dynaresize.rl.seeds import sample_seed
-    from dynaresize.roles.base import GenRequest
-
-    out = []
-    for p in range(3):  # three prompts of different lengths, four samples each
-        prompt = [2] + [10 + 7 * p + k for k in range(3 + 4 * p)]
-        for s in range(4):
-            forced = 6 + 5 * s if s % 2 else None  # synthetic lengths and natural (EOS) ones
-            out.append(GenRequest((0, p, s), prompt, 12, sample_seed(5, 0, p, s), forced))
-    return out
 
 
 def _plain(results):
     return [(tuple(r.sample_id), list(r.response_ids), list(r.logprobs), r.version) for r in results]
 
 
-class Rank:
+class Rank(RankBase):
     """A stand-in device worker: joins the gloo world, then hosts one engine (a TP rank or whole)."""
-
-    def __init__(self, model_dir: str) -> None:
-        import torch
-
-        torch.set_num_threads(1)
-        self.model_dir = model_dir
-        self.engine = None
-        self.groups: dict = {}
-
-    def vllm_import_error(self):
-        from dynaresize.roles.base import vllm_import_error
-
-        return vllm_import_error()
 
     def join(self, rank: int, world_size: int, init_method: str) -> str:
         from dynaresize.comm import rendezvous
@@ -92,40 +50,6 @@ class Rank:
         rendezvous.init_world(rank=rank, world_size=world_size, init_method=init_method, backend="gloo",
                               timeout_s=60.0, generation=0)
         return self.new_group("before")
-
-    def new_group(self, tag: str) -> str:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
-        group = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=60))
-        self.groups[tag] = group
-        return c10d._world.pg_names[group]
-
-    def all_reduce(self) -> list[float]:
-        import torch
-        import torch.distributed as dist
-
-        out = []
-        for group in [None, *self.groups.values()]:
-            t = torch.tensor([float(dist.get_rank() + 1)])
-            dist.all_reduce(t, group=group)
-            out.append(float(t))
-        return out
-
-    def weights(self, perturb: float = 0.0):
-        import torch
-
-        from dynaresize.config import ModelConfig
-        from dynaresize.rl.models import build_model
-
-        sd = {k: v.detach().clone() for k, v in build_model(ModelConfig(path=self.model_dir)).state_dict().items()}
-        if perturb:
-            g = torch.Generator().manual_seed(123)
-            sd = {k: v + perturb * torch.randn(v.shape, generator=g) for k, v in sd.items()}
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # tied: one tensor
-        return sd
 
     def use_model(self, model_dir: str) -> None:
         self.model_dir = model_dir
@@ -149,11 +73,11 @@ class Rank:
                 "shapes_full": self.engine._shapes == {k: tuple(v.shape) for k, v in sd.items()}}
 
     def generate(self):
-        return _plain(self.engine.generate(_requests()))
+        return _plain(self.engine.generate(seeded_requests()))
 
     def stepped(self):
         """Half the requests, three iterations, the rest added and one of the first aborted."""
-        reqs = _requests()
+        reqs = seeded_requests()
         half = len(reqs) // 2
         self.engine.add(reqs[:half])
         got, steps, trace = {}, 0, []
@@ -196,8 +120,8 @@ def ranks():
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     tmp = tempfile.TemporaryDirectory(prefix="dynaresize-vllm-tp-test-")
     try:
-        model_dir = _save_tiny_model(os.path.join(tmp.name, "model"))
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        model_dir = save_tiny_model(os.path.join(tmp.name, "model"))
+        by_value(__name__)
         remote = ray.remote(num_cpus=1)(Rank)
         actors = [remote.remote(model_dir) for _ in range(4)]
         problem = ray.get(actors[0].vllm_import_error.remote(), timeout=300)
@@ -210,7 +134,7 @@ def ranks():
         # the fourth only hosts a second replica's rank.
         names = ray.get([a.join.remote(2 - i, 3, init) for i, a in enumerate(actors[:3])], timeout=120)
         assert len(set(names)) == 1
-        yield actors, _save_tiny_model(os.path.join(tmp.name, "kv1"), kv_heads=1)
+        yield actors, save_tiny_model(os.path.join(tmp.name, "kv1"), kv_heads=1)
     finally:
         ray.shutdown()
         tmp.cleanup()
@@ -255,7 +179,7 @@ def test_tp2_replica_in_worker_processes(ranks):
     equal = sum(r[1] == s[1] for r, s in zip(ref, out[0]))
     lp_diff = max(abs(x - y) for r, s in zip(ref, out[0]) for x, y in zip(r[2], s[2]))
     assert equal == len(ref) == 12 and lp_diff <= LOGPROB_TOL, (equal, lp_diff)
-    assert all(len(r[1]) == q.forced_length for q, r in zip(_requests(), ref) if q.forced_length)
+    assert all(len(r[1]) == q.forced_length for q, r in zip(seeded_requests(), ref) if q.forced_length)
 
     # (iii): driven request by request with identical calls, both ranks agree step by step.
     stepped = ray.get([a0.stepped.remote(), a1.stepped.remote()], timeout=300)
