@@ -17,6 +17,7 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.dist
 
 
+@pytest.mark.slow  # ~39 s; emulated pacing against the model is in the default suite (tests/dist/test_emulate_run.py)
 def test_compare_runs_each_policy_on_the_runtime_and_in_the_simulator(tmp_path, capsys):
     from dynaresize.cli import main
 

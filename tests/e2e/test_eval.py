@@ -20,6 +20,7 @@ from _runs import assert_same_run, job_config, ray_local, records, reference_run
 pytestmark = pytest.mark.dist
 
 
+@pytest.mark.slow  # ~35 s; the default suite's streaming static run evaluates too (test_staleness_run.py)
 def test_eval_records_at_their_steps_and_training_unchanged(ray_local, tmp_path):  # noqa: F811
     from dynaresize.driver.run import run_job
 

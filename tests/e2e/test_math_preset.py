@@ -54,6 +54,7 @@ def test_the_grader_in_the_reward_pool_of_a_ray_actor(ray_local):
     assert [o[1]["metrics"]["answered"] for o in outcomes][-2:] == [[0.0], [0.0]]
 
 
+@pytest.mark.slow  # ~31 s; its grader in the reward pool runs in the default suite (above)
 def test_the_math_preset_runs_end_to_end_with_resizes_each_way(ray_local, tmp_path, monkeypatch, capsys):
     from dynaresize.cli import main
 

@@ -145,7 +145,7 @@ def _paced(policy: dict):
     by the model, not by this machine's speed."""
     data = preset("cpu")
     data.update(steps=4, deterministic=True, policy=policy)
-    data["cluster"] = {**data["cluster"], "devices": 4, "rollout_devices": 2, "emulate": "a100:7b", "time_scale": 40}
+    data["cluster"] = {**data["cluster"], "devices": 4, "rollout_devices": 2, "emulate": "a100:7b", "time_scale": 80}
     data["rollout"] = {**data["rollout"], "engine": "hf", "prompts_per_step": 4, "samples_per_prompt": 4,
                        "max_new_tokens": 16, "length_workload": "longtail-drift"}
     data["train"] = {**data["train"], "staleness": ETA}

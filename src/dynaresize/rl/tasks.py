@@ -83,9 +83,14 @@ def toy_held_out_prompts(num_prompts: int, letters: str = TOY_LETTERS) -> list[d
     """The toy task's test split: `num_prompts` prompts, none with the text of a training prompt
     (`toy_prompts(letters=letters)`), none twice. Raises ValueError past the split's size."""
     _check_letters(letters)
+    words = {letter: [w for w in pseudo_words() if w[0] == letter][:16] for letter in letters}
+    # at most this many distinct texts exist (3 ordered example words per letter): past it, say so
+    # at once rather than searching (200 draws per prompt asked for)
+    most = sum(len(w) * (len(w) - 1) * (len(w) - 2) for w in words.values())
+    if num_prompts > most:
+        raise ValueError(f"the toy task has no {num_prompts} held-out prompts (at most {most})")
     train = {r["prompt"] for r in toy_prompts(letters=letters)}
     rng = random.Random(_TOY_HELD_OUT_SEED)
-    words = {letter: [w for w in pseudo_words() if w[0] == letter][:16] for letter in letters}
     out: list[dict] = []
     seen = set(train)
     for _ in range(200 * max(1, num_prompts)):
