@@ -47,8 +47,8 @@ from dynaresize.cluster.worker_train import TrainStageMixin
 from dynaresize.comm import rendezvous
 from dynaresize.comm.pool import CommPool
 from dynaresize.config import RunConfig
-from dynaresize.errors import ConfigError
 from dynaresize.config_load import build_config
+from dynaresize.errors import ConfigError
 from dynaresize.reshard.layout import RowChunkLayout
 from dynaresize.rl.env import env_spec
 from dynaresize.rl.models import build_model
@@ -298,7 +298,9 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
 
 def worker_config(cfg: RunConfig) -> dict:
     """The config dict a device worker is built from: the run's, with `rollout.engine = auto`
-    resolved once on the driver (it looks at the host), so every device runs the same engine."""
+    resolved once on the driver (it looks at the host), so every device runs the same engine.
+    Refuses `rollout.tensor_parallel` > 1 where it cannot run: a multi-turn task, or an engine
+    other than vllm (ConfigError)."""
     from dynaresize.config_load import config_to_dict
 
     k = cfg.rollout.tensor_parallel
