@@ -57,6 +57,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.slow  # ~27 s; the loss variants' math is unit-tested (tests/unit), resizes equal static in test_run.py
 def test_loss_variants_deterministic_run_with_resizes_equals_static_run(ray_local, tmp_path):
     resized = _cfg({"name": "scripted", "schedule": "1:2,2:1"}, VARIANTS)
     assert (resized.train.clip_ratio_high, resized.train.loss_agg_mode, resized.train.norm_adv_by_std,

@@ -108,6 +108,7 @@ def test_streaming_takes_faults_and_checkpoints_and_refuses_a_staleness_above_th
         build_config({**data, "train": {**data["train"], "staleness": 5}})
 
 
+@pytest.mark.slow  # ~21 s, and timing-dependent in principle; the version marks are unit-tested (test_worker_serve.py)
 def test_partial_rollout_run_records_token_versions_within_the_bound(ray_local, tmp_path):
     """Partial rollout at ETA = 2 (not deterministic): long-tailed synthetic lengths keep tails
     running when an engine's next share needs newer weights, so some samples span two versions;

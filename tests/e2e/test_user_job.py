@@ -118,6 +118,7 @@ def test_trl_jsonl_and_reward_function_run_unchanged(ray_local, tmp_path, capsys
         assert abs(st["reward_mean"] - sum(kept) / max(1, len(kept))) < 1e-9
 
 
+@pytest.mark.slow  # ~23 s; raising and hanging rewards under on_reward_error are unit-tested (tests/unit/test_reward_pool.py)
 def test_a_reward_that_raises_or_hangs_follows_on_reward_error(ray_local, tmp_path, capsys):
     data = tmp_path / "flaky.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("fine one", "HANG here", "RAISE here", "fine")))
