@@ -38,8 +38,8 @@ def replicas_of(rollout: Sequence[int], k: int, node_of: Callable[[int], str] | 
     return out
 
 
-def leader_of(replicas: Sequence[Replica]) -> dict[int, Replica]:
-    """Each rank's replica (looked up by any of its ranks)."""
+def replica_of(replicas: Sequence[Replica]) -> dict[int, Replica]:
+    """Each rank's replica (looked up by any of its ranks; its leader is its first rank)."""
     return {d: rep for rep in replicas for d in rep}
 
 

@@ -332,13 +332,9 @@ class StreamRouter:
                 out.append({"t0": t0, "t1": time.time(), "requests_moved": 0})
                 continue
             if e.ref is not None:  # its last serve call: collect what it finished
-                for ref, value in zip(e.ref.refs, c.wait([(r, ref) for ref, r in e.ref.refs.items()],
-                                                          f"migrate {c.ids[d]}")):
-                    e.ref.take(ref, value)
-                self._collect(d, e.ref.result())
+                self._collect(d, self._wait_call(e.ref, f"migrate {c.ids[d]}"))
             call = ReplicaCall(lambda r: c.workers[r].serve.remote([], 0.0, abort_all=True, keep=self.partial), e.ranks)
-            answers = c.wait([(r, ref) for ref, r in call.refs.items()], f"migrate {c.ids[d]}")
-            stopped = answers[list(call.refs.values()).index(d)]
+            stopped = self._wait_call(call, f"migrate {c.ids[d]}")
             moved = len(self._hand_back(d, e, {tuple(r.sample_id): r for r in stopped["moved"]}, ran=self.partial))
             now = time.time()
             for span in e.spans:
@@ -346,6 +342,12 @@ class StreamRouter:
             self.engines[d] = _Engine(ranks=e.ranks, spans=e.spans)
             out.append({"t0": t0, "t1": time.time(), "requests_moved": moved})
         return out
+
+    def _wait_call(self, call: ReplicaCall, where: str) -> dict:
+        """Wait for every rank of `call` (with the watchdog); the replica's answer."""
+        for ref, value in zip(call.refs, self.cluster.wait([(r, ref) for ref, r in call.refs.items()], where)):
+            call.take(ref, value)
+        return call.result()
 
     def drain(self, devices) -> tuple[float, float]:
         """Route nothing new to `devices`; pump until none of them has a request in flight.

@@ -57,7 +57,7 @@ class StagesMixin:
         t0 = time.time()
         ids = self.ids
         queue = list(groups)
-        reps = replicas.leader_of(replicas.replicas_of(devices, self.cfg.rollout.tensor_parallel))
+        reps = replicas.replica_of(replicas.replicas_of(devices, self.cfg.rollout.tensor_parallel))
         inflight: dict[Any, int] = {}  # every rank's ref -> rank
         sent: dict[int, tuple[list[GenRequest], replicas.ReplicaCall]] = {}  # leader -> its group, its call
         down = lambda d: any(r in self.watchdog.lost for r in reps[d])  # noqa: E731
