@@ -171,6 +171,59 @@ def test_mlflow_run_reads_back_from_its_sqlite_store_with_no_environment_variabl
     assert json.loads(artifact.read_text())["samples_per_s"] == 3.5
 
 
+# The newest full `mlflow` package (the one with `mlflow ui`) installable here, and the schema
+# revision its SQLite store must have: full MLflow opens a store only at its own alembic head
+# (`_verify_schema`: anything else is "Detected out-of-date database schema ..., run 'mlflow db
+# upgrade'"). 3.18.0 is on the index but not installable (its mlflow-tracing 3.18.0 is not), and
+# mlflow-skinny 3.18.0 writes f4a9b2c7d1e6, which 3.17.2 refuses. The head is that of mlflow 3.17.2's
+# migrations (alembic ScriptDirectory.get_heads(), read in a separate environment with `pip install
+# mlflow==3.17.2`, 2026-12-04). A newer full release: raise the extra's cap and both constants.
+NEWEST_FULL_MLFLOW = "3.17.2"
+NEWEST_FULL_SCHEMA = "dc11669786a5"
+
+
+def _extra_requirement(extra: str, name: str):
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((DOC.parents[1] / "pyproject.toml").read_text())["project"]
+    (req,) = [r for r in map(Requirement, project["optional-dependencies"][extra]) if r.name == name]
+    return req
+
+
+def test_the_mlflow_extra_allows_no_writer_newer_than_the_newest_full_mlflow():
+    spec = _extra_requirement("mlflow", "mlflow-skinny").specifier
+    assert spec.contains(NEWEST_FULL_MLFLOW)
+    assert not any(spec.contains(v) for v in ("3.17.3", "3.18.0", "3.18.1", "4.0.0")), str(spec)
+
+
+def test_mlflow_store_has_the_schema_the_newest_full_mlflow_opens_and_reads_back(tmp_path, monkeypatch):
+    """A run written by the tracker is at the schema revision the newest full `mlflow` opens as is
+    (no `mlflow db upgrade`), and reads back there: the full package of a version is
+    mlflow-skinny of that version plus the server and UI, so its `search_runs` is this one's when
+    the installed writer is that version (the extra's newest allowed)."""
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed (make setup installs it)")
+    import sqlite3
+
+    import mlflow
+    from packaging.version import Version
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with Recorder(tmp_path / "r" / "records.jsonl", sinks=open_sinks(["mlflow"], tmp_path / "r", run_name="r1")) as rec:
+        _feed(rec)
+    db = tmp_path / "r" / "mlruns" / "mlflow.db"
+    with sqlite3.connect(db) as con:
+        (revision,) = con.execute("SELECT version_num FROM alembic_version").fetchone()
+    assert revision == NEWEST_FULL_SCHEMA, (
+        f"mlflow-skinny {mlflow.__version__} wrote schema {revision}; full mlflow {NEWEST_FULL_MLFLOW} opens only "
+        f"{NEWEST_FULL_SCHEMA} (reinstall the extra: pip install -e '.[mlflow]')")
+    assert Version(mlflow.__version__) <= Version(NEWEST_FULL_MLFLOW)
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}")
+    runs = client.search_runs([client.get_experiment_by_name("dynaresize").experiment_id])
+    assert len(runs) == 1 and runs[0].data.metrics["reward/mean"] == pytest.approx(0.2)
+
+
 def test_wandb_offline_run_files_are_written(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install 'dynaresize[wandb]')")
     monkeypatch.setenv("WANDB_SILENT", "true")
