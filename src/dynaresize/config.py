@@ -200,6 +200,20 @@ class TrainConfig:
                  "before the advantages, and the trainers compute them in the loss; use loss (kl_coef, kl_estimator)")
 
 
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # rl.advantages
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """The RL algorithm's choices with verl's names (`algorithm.*`): the advantage estimator."""
+
+    adv_estimator: str = "grpo"  # grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline (rl/advantages.py)
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.adv_estimator in ADV_ESTIMATORS, "adv_estimator", self.adv_estimator,
+                 f"must be one of {', '.join(ADV_ESTIMATORS)}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
     name: str = "hysteresis"
@@ -311,6 +325,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
@@ -333,6 +348,12 @@ class RunConfig:
         t = self.train
         err.need(self.rollout.samples_per_prompt != 1, "rollout.samples_per_prompt", 1, "must be >= 2 for GRPO: " + (
             "train.norm_adv_by_std=True divides by the group's std" if t.norm_adv_by_std else "r - group mean is 0"))
+        if self.algorithm.adv_estimator != "grpo":  # the group std is GRPO's alone
+            est = self.algorithm.adv_estimator
+            err.need(t.norm_adv_by_std, "train.norm_adv_by_std", t.norm_adv_by_std,
+                     f"only grpo divides by the group std (algorithm.adv_estimator={est}): leave it true")
+            err.need(t.adv_std == TrainConfig.adv_std, "train.adv_std", t.adv_std,
+                     f"only grpo divides by the group std (algorithm.adv_estimator={est}): leave it unset")
         if t.lr_schedule != "constant":
             err.need(self.steps > t.warmup_steps, "train.warmup_steps", t.warmup_steps,
                      f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")

@@ -7,7 +7,8 @@ many devices each pool has. That is what keeps RL semantics fixed under resizes:
   mode, the forced length `workload.sample_lengths(...)[p][s]` (keyed by absolute step);
 - the samples of one prompt form one group, the unit the router dispatches, so an engine batch
   always holds the same samples;
-- advantages are normalised per prompt group, and micro-batches are fixed by sample id.
+- advantages (`algorithm.adv_estimator`) are taken per prompt group, or over the step's
+  samples (the REINFORCE++ ones), never per device; micro-batches are fixed by sample id.
 
 Rewards are computed in the reward pool (`rl.reward_pool`: `task.reward_workers` processes, a
 deadline of `task.reward_timeout_s` per call), in the function's own style (`rl.rewards`). Each
@@ -41,6 +42,7 @@ from dynaresize.driver.console import say
 from dynaresize.driver.ledger import Ledger, sample_id_str, token_sha1
 from dynaresize.errors import RewardError
 from dynaresize.rl import data, grpo, tasks
+from dynaresize.rl.advantages import compute_advantages
 from dynaresize.rl.dataset import is_chat, prompt_key
 from dynaresize.rl.models import encode_prompt, load_tokenizer
 from dynaresize.rl.reward_pool import RewardPool
@@ -206,12 +208,9 @@ class Job:
                              stop_reason=res.stop_reason)
             texts[sid] = tasks.decode_response(self.tokenizer, res.response_ids)
         values, left_out, metrics = self._rewards(step, ordered, records, texts, by_id, ledger)
-        rewards_out = [values[sid] for sid in ordered]
-        tc = self.cfg.train
-        advantages = grpo.group_advantages(rewards_out, self.cfg.rollout.samples_per_prompt,
-                                           norm_by_std=tc.norm_adv_by_std, std=tc.adv_std)
-        if left_out:
-            advantages = self._without_left_out(ordered, rewards_out, advantages, left_out)
+        advantages = self.advantages([values[sid] for sid in ordered],
+                                     [_model_tokens(by_id[sid][1]) for sid in ordered],
+                                     [sid not in left_out for sid in ordered])
         samples = [grpo.TrainSample(sample_id=sid, prompt_ids=self._encode(records[sid[1]]),
                                     response_ids=list(by_id[sid][1].response_ids),
                                     rollout_logprobs=list(by_id[sid][1].logprobs), advantage=adv,
@@ -280,20 +279,15 @@ class Job:
             return f"sample {sample_id_str(sid)}: {problem}"
         return " ".join(f"sample {sample_id_str(sid)}: reward function {self.task.reward_spec} {problem}".split())
 
-    def _without_left_out(self, ordered: list, rewards_out: list[float], advantages: list[float],
-                          left_out: set) -> list[float]:
-        """The advantages with each left-out sample outside its group's mean and std, and 0."""
-        tc, k = self.cfg.train, self.cfg.rollout.samples_per_prompt
-        out = list(advantages)
-        for start in range(0, len(ordered), k):
-            ids = ordered[start:start + k]
-            if not left_out.intersection(ids):
-                continue
-            kept = [i for i, sid in enumerate(ids, start) if sid not in left_out]
-            out[start:start + len(ids)] = [0.0] * len(ids)
-            if len(kept) >= 2:
-                sub = grpo.group_advantages([rewards_out[i] for i in kept], len(kept),
-                                            norm_by_std=tc.norm_adv_by_std, std=tc.adv_std)
-                for i, adv in zip(kept, sub):
-                    out[i] = adv
-        return out
+    def advantages(self, rewards: list[float], num_tokens: list[int], present: list[bool]) -> list[float]:
+        """The advantages of a step's consumed samples in sample-id order (`algorithm.adv_estimator`,
+        rl/advantages.py); a left-out sample (present False) is in no statistic and gets 0."""
+        tc = self.cfg.train
+        return compute_advantages(self.cfg.algorithm.adv_estimator, rewards, self.cfg.rollout.samples_per_prompt,
+                                  num_tokens=num_tokens, present=present, norm_by_std=tc.norm_adv_by_std,
+                                  std=tc.adv_std)
+
+
+def _model_tokens(res: GenResult) -> int:
+    """n_s of rl/advantages.py: the response tokens the loss counts (the model's own)."""
+    return sum(1 for m in res.loss_mask if m) if res.loss_mask else len(res.response_ids)
