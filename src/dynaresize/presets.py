@@ -39,10 +39,11 @@ def demo() -> dict:
     return {
         "steps": 20,
         "seed": 0,
-        # A100 80 GB x 6 emulated: a 7B needs >= 2 training devices (its training state), so the
-        # legal splits are 1..4 rollout devices. 60 emulated seconds per wall second: a step of
-        # ~240 emulated seconds lasts ~4 s, well above the real work of a few tokens per sample.
-        "cluster": {"devices": 6, "rollout_devices": 4, "emulate": "a100:7b", "time_scale": 60.0},
+        # A100 80 GB x 6 emulated: a 7B's training state (16 B/param, costmodel.memory) needs >= 3
+        # training devices, so the legal splits are 1..3 rollout devices; it starts at 3:3. 60
+        # emulated seconds per wall second: a step of ~240 emulated seconds lasts ~4 s, well above
+        # the real work of a few tokens per sample.
+        "cluster": {"devices": 6, "rollout_devices": 3, "emulate": "a100:7b", "time_scale": 60.0},
         # The real work stays far below the paced time: 32 x 8 samples, each really generating
         # <= 8 tokens (its length from the workload scaled to max_new_tokens; its emulated length
         # is the workload's own, up to 16k tokens) after the prompt's last 4 tokens (the example

@@ -149,7 +149,8 @@ def _worker(rank: int, out: str) -> None:
             t = trainer(fp32, w)
             stats = _step(t, 0)
             if rank == 0:
-                torch.save({"bytes": stats["train_state_bytes"]}, f"{out}/bytes-w{w}.pt")
+                num_params = sum(p.numel() for p in t.model.parameters())  # logical (unsharded) sizes
+                torch.save({"bytes": stats["train_state_bytes"], "num_params": num_params}, f"{out}/bytes-w{w}.pt")
         dist.barrier()
     dist.destroy_process_group()
     # Results are on disk; skip interpreter teardown (seconds per process on a loaded machine).
@@ -229,6 +230,11 @@ def test_reshard_keeps_state_and_training_continues(runs):
 
 @pytest.mark.dist
 def test_state_bytes_fall_with_world_size(runs):
-    one, three = _load(runs, "bytes-w1")["bytes"], _load(runs, "bytes-w3")["bytes"]
+    from dynaresize.costmodel import memory
+
+    w1 = _load(runs, "bytes-w1")
+    one, three = w1["bytes"], _load(runs, "bytes-w3")["bytes"]
     print(f"train_state_bytes: W=1 {one}, W=3 {three}, ratio {three / one:.3f}")
     assert three <= 0.4 * one
+    # the cost model's floor counts what the trainer holds (fp32 master, gradients, two moments)
+    assert one == memory.train_state_bytes(w1["num_params"])

@@ -813,12 +813,12 @@ EVIDENCE: dict[str, tuple] = {
                                    Runtime("tests/e2e/test_multinode.py::test_node_lost_mid_run_recovers_on_the_survivors",
                                            "with placement_strategy=SPREAD the run's devices are on both nodes of a "
                                            "2-node cluster")),
-    "cluster.emulate": (Probe("h100:7b", _paced_wall_s, base={"cluster": {"rollout_devices": 2}}),
+    "cluster.emulate": (Probe("h200:7b", _paced_wall_s, base={"cluster": {"rollout_devices": 2}}),
                         Refused("tpu:7b", "cluster.emulate='tpu:7b'"),
                         Runtime("tests/dist/test_emulate_run.py::test_stages_last_their_modelled_time_unless_flagged",
                                 "each rollout and training call of an emulated run lasts its modelled time")),
-    "cluster.time_scale": (Probe(30.0, _paced_wall_s, base={"cluster": {"emulate": "a100:7b", "rollout_devices": 2}}),
-                           Refused(0, "cluster.time_scale=0", base={"cluster": {"emulate": "a100:7b", "rollout_devices": 2}})),
+    "cluster.time_scale": (Probe(30.0, _paced_wall_s, base={"cluster": {"emulate": "h200:7b", "rollout_devices": 2}}),
+                           Refused(0, "cluster.time_scale=0", base={"cluster": {"emulate": "h200:7b", "rollout_devices": 2}})),
     "model.path": (Probe(HF_DIR, _model),),
     "model.hidden_size": (Probe(64, _model),),
     "model.num_layers": (Probe(2, _model),),
@@ -887,7 +887,7 @@ EVIDENCE: dict[str, tuple] = {
                                 Refused(2, "rollout.tensor_parallel=2: needs the vllm engine", via=worker_config,
                                         base={"rollout": {"engine": "hf"}}),
                                 Refused(2, "rollout.tensor_parallel=2: emulated runs pace TP1 engines", via=run_bounds,
-                                        base={"cluster": {"emulate": "a100:7b", "rollout_devices": 2}}),
+                                        base={"cluster": {"emulate": "h200:7b", "rollout_devices": 2}}),
                                 Runtime("tests/e2e/test_tp_replicas.py::"
                                         "test_a_tp2_replica_moves_each_way_whole_and_the_run_equals_the_static_one",
                                         "a TP2 replica (two vLLM ranks) moves each way whole; the run equals a "

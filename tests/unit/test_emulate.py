@@ -81,14 +81,14 @@ def test_time_scale_and_bounds():
     assert time_scale_of(_cfg(emulate="h100:7b").cluster) == DEFAULT_TIME_SCALE
     b = run_bounds(plain)
     assert (b.min_rollout, b.min_train, b.move_unit) == (1, 1, 1)
-    b = run_bounds(emulated)  # a 7B's training state (107 GB) needs two 80 GB devices
-    assert (b.min_rollout, b.min_train, b.move_unit) == (1, 2, 1)
+    b = run_bounds(emulated)  # a 7B's training state (16 B/param: 121.9 GB) needs three 80 GB devices
+    assert (b.min_rollout, b.min_train, b.move_unit) == (1, 3, 1)
     m = costs.get_model("32b")
     big = emulated_bounds(parse("h100:32b"), PolicyConfig(), 16)  # TP2 replicas: the move unit
     assert big.move_unit == m.rollout_tp == big.min_rollout == 2
-    assert big.min_train == costs.min_train_devices(m, costs.get_hardware("h100")) == 9
+    assert big.min_train == costs.min_train_devices(m, costs.get_hardware("h100")) == 10  # 524.8 GB / 56 GB
     assert emulated_bounds(parse("h200:32b"), PolicyConfig(), 16).min_train < big.min_train  # more HBM
-    assert emulated_bounds(parse("h100:7b"), PolicyConfig(min_train=3, move_unit=2), 8).min_train == 3
+    assert emulated_bounds(parse("h100:7b"), PolicyConfig(min_train=4, move_unit=2), 8).min_train == 4  # the user's, above
 
 
 # ------------------------------------------------------------------ durations = the simulator's

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from dynaresize.costmodel import memory
 from dynaresize.errors import ConfigError
 
 GB = 1e9
@@ -118,8 +119,8 @@ class ModelPreset:
 
     @property
     def train_state_bytes(self) -> float:
-        # Mixed-precision Adam: fp32 master + two moments (12 B/param) + bf16 weights (2 B/param) (3.4, [D]).
-        return 14.0 * self.num_params
+        # What the trainer holds: fp32 master, fp32 gradients, two fp32 moments (costmodel.memory).
+        return memory.train_state_bytes(self.num_params)
 
 
 def _preset_7b() -> ModelPreset:
@@ -208,7 +209,7 @@ def train_device_s(model: ModelPreset, seq_tokens_sum: float, seq_tokens_sq_sum:
 
 def min_train_devices(model: ModelPreset, hw: Hardware = Hardware()) -> int:
     """Memory floor: the sharded training state must fit in ~70% of HBM (activations need the rest)."""
-    return max(1, math.ceil(model.train_state_bytes / (0.7 * hw.hbm_bytes)))
+    return memory.min_train_devices_for(model.num_params, hw.hbm_bytes)
 
 
 def sync_s(model: ModelPreset) -> float:

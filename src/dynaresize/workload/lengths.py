@@ -132,7 +132,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "dapo-qwen3-8b": WorkloadSpec(name="dapo-qwen3-8b", cap_tokens=8192, mu0=math.log(900.0), sigma=0.8,
                                   drift=math.log(2500.0 / 900.0), tau_frac=1.0 / 3.0, runaway0=0.01,
                                   prompt_tokens=256, prompts_per_step=32),
-    # The emulated demo (preset `default`): DeepScaleR's cap raise compressed into a 20-step run.
+    # The emulated demo (preset `demo`, `make demo`): DeepScaleR's cap raise compressed into a 20-step run.
     # The cap is 1/8 of 16k until step 10, so training is the slower stage and a device moves
     # to it; then the full cap releases the tail, rollout becomes the slower stage and the
     # devices move back. Tuned in the simulator so every seed 0-2 moves both ways.
@@ -143,7 +143,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     # No runaway here: a demo's batch is small, and a random cap-length response would hide the U.
     # The U is deep (8x) so that a 4-device CPU run sees rollout-bound, then train-bound, then
     # rollout-bound windows: a demo of the mechanism, not a calibrated workload.
-    # Its horizon is the default preset's 30 steps (the U was tuned on a 30-step run).
+    # Its horizon is the `default`/`cpu` presets' 30 steps (the U was tuned on a 30-step run).
     # An agentic, tool-using job (issue 24; [A] from the shapes of SWE/search agent runs in verl's
     # and SkyRL's examples): up to 8 turns, 70% going on after each (2.9 turns on average), 600-token
     # turns at the median with the usual heavy tail over the whole trajectory, 150-token tool
