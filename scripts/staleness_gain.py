@@ -4,7 +4,7 @@ as the runtime runs it for ETA >= 2), both on a fixed split (policy static). doc
 runtime", has the numbers. Usage (run directories OUT/emu-etaN, the figures in OUT/emu_gain-ROLLOUT.json;
 without --out, a new temporary directory):
 
-    DEV=8 EXTRA='{"cluster":{"emulate":"h100:7b","time_scale":20},"rollout":{"length_workload":"longtail-drift"}}' \
+    DEV=8 EXTRA='{"cluster":{"emulate":"h200:7b","time_scale":20},"rollout":{"length_workload":"longtail-drift"}}' \
         python scripts/staleness_gain.py STEPS ROLLOUT_DEVICES 1,2,2p [--out DIR] [--sim-only]
 
 An ETA written with a trailing `p` (2p) is that staleness with partial rollout (rollout.partial).

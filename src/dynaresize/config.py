@@ -238,7 +238,8 @@ class PolicyConfig:
                  f"must be one of {', '.join(POLICY_NAMES)} or static:R")
         for name in ("min_rollout", "min_train", "move_unit", "profile_steps", "dwell_steps", "horizon_steps"):
             err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        err.need(0 <= self.exit_band <= self.enter_band, "exit_band", self.exit_band,
+        err.need(self.enter_band >= 0, "enter_band", self.enter_band, "must be >= 0")
+        err.need(self.enter_band < 0 or 0 <= self.exit_band <= self.enter_band, "exit_band", self.exit_band,
                  f"must be in [0, enter_band={self.enter_band}]")
         err.need(self.cooldown_steps >= 0, "cooldown_steps", self.cooldown_steps, "must be >= 0")
         a = self.allowed_rollout

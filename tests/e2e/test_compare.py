@@ -46,8 +46,10 @@ def test_compare_runs_each_policy_on_the_runtime_and_in_the_simulator(tmp_path, 
     static = doc["results"][0]
     assert static["resizes"] == static["predicted_resizes"] == 0
     assert (out / "split.png").stat().st_size > 1000
-    assert "prediction error" in printed.lower() or "error" in printed
-    assert "static:1" in printed and "hysteresis" in printed
+    assert "error = predicted total time / measured - 1" in printed
+    for r in doc["results"]:  # each policy's row carries its own error, as printed
+        row = next(line for line in printed.splitlines() if line.startswith(r["policy"] + " "))
+        assert f"{r['prediction_error']:+.1%}" in row, row
 
 
 def test_compare_refuses_a_simulator_only_policy_before_running(tmp_path, capsys):

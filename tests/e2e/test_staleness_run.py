@@ -60,8 +60,8 @@ def test_staleness_2_with_resizes_keeps_the_ledger_and_the_bound(stream_pair):
     resizes = list(read_records(out / "records.jsonl", "resize"))
     assert [len(r["to"]["rollout"]) for r in resizes] == [1, 3]  # to train first, while rollout bounds a window
     # the rollout -> train move counts what its migrate_requests op handed on (how many were in
-    # flight at the move depends on this machine's speed here; the paced test below fixes it)
-    assert "requests_moved" not in resizes[1] and resizes[0]["requests_moved"] >= 0
+    # flight at the move depends on this machine's speed here; the paced test below requires some)
+    assert "requests_moved" not in resizes[1] and isinstance(resizes[0]["requests_moved"], int)
     ops = [o for o in read_records(out / "records.jsonl", "op") if o["name"] == "migrate_requests"]
     assert sum(o["requests_moved"] for o in ops) == resizes[0]["requests_moved"] and len(ops) == 1
     # requests in flight per rollout device and window (a `concurrency` record each)
@@ -137,16 +137,19 @@ def test_partial_rollout_run_records_token_versions_within_the_bound(ray_local, 
         assert versions[-1] <= s["consumed_step"] and firsts[0] == 0 and firsts == sorted(firsts)
         assert firsts[-1] < s["num_tokens"]
     resize = next(read_records(tmp_path / "partial" / "records.jsonl", "resize"))
-    assert resize["to_role"] == "train" and resize["requests_moved"] >= 0
+    ops = [o for o in read_records(tmp_path / "partial" / "records.jsonl", "op") if o["name"] == "migrate_requests"]
+    # how many were in flight depends on this machine's speed; what the move says it handed on is
+    # what its migrate_requests op moved
+    assert resize["to_role"] == "train" and len(ops) == 1 and resize["requests_moved"] == ops[0]["requests_moved"]
 
 
 def _paced(policy: dict):
-    """The streaming job on emulated A100s running a 7B (a long-tailed 7B rollout takes minutes of
+    """The streaming job on emulated H200s running a 7B (a long-tailed 7B rollout takes minutes of
     emulated time, its training seconds): at a window's end the next steps' requests are in flight
     by the model, not by this machine's speed."""
     data = preset("cpu")
     data.update(steps=4, deterministic=True, policy=policy)
-    data["cluster"] = {**data["cluster"], "devices": 4, "rollout_devices": 2, "emulate": "a100:7b", "time_scale": 80}
+    data["cluster"] = {**data["cluster"], "devices": 4, "rollout_devices": 2, "emulate": "h200:7b", "time_scale": 80}
     data["rollout"] = {**data["rollout"], "engine": "hf", "prompts_per_step": 4, "samples_per_prompt": 4,
                        "max_new_tokens": 16, "length_workload": "longtail-drift"}
     data["train"] = {**data["train"], "staleness": ETA}

@@ -1088,18 +1088,43 @@ def test_field_value_is_refused(path, index, ev):
     assert "\n" not in message and "Traceback" not in message
 
 
-def _test_functions(relpath: str) -> set[str]:
+def _test_functions(relpath: str) -> dict[str, set[str]]:
+    """Each test function of a file, with the marks on it and on its module (`pytestmark`)."""
     tree = ast.parse((ROOT / relpath).read_text())
-    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    module_marks = {m for node in tree.body if isinstance(node, ast.Assign)
+                    and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+                    for m in _mark_names(node.value)}
+    return {n.name: module_marks | {m for d in n.decorator_list for m in _mark_names(d)}
+            for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
             and n.name.startswith("test_")}
+
+
+def _mark_names(node: ast.AST) -> set[str]:
+    """`pytest.mark.NAME` anywhere in a decorator or a pytestmark value."""
+    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+
+
+# What CI runs (.ci/run): `make test` (the default suite) and `make test-slow` (every slow test).
+# A test CI never runs (a GPU test, a skipped one) is no evidence.
+NOT_RUN_BY_CI = {"gpu", "skip", "skipif"}
 
 
 @pytest.mark.parametrize("path, index, ev", _cases(Runtime))
 def test_runtime_evidence_exists(path, index, ev):
     relpath, _, name = ev.test.partition("::")
     assert (ROOT / relpath).is_file(), ev.test
-    assert name in _test_functions(relpath), f"{path}: {ev.test} does not exist"
+    functions = _test_functions(relpath)
+    assert name in functions, f"{path}: {ev.test} does not exist"
+    assert not relpath.startswith("tests/gpu/") and not functions[name] & NOT_RUN_BY_CI, (
+        f"{path}: {ev.test} is marked {sorted(functions[name] & NOT_RUN_BY_CI)}: CI never runs it")
     assert ev.asserts.strip()
+
+
+def test_ci_runs_the_suites_the_evidence_names():
+    ci = (ROOT / ".ci" / "run").read_text()
+    commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert "make test" in commands and "make test-slow" in commands, commands
 
 
 @pytest.mark.parametrize("staleness", [1, 2])

@@ -216,3 +216,24 @@ def test_predefined_splits_that_still_fit_survive_a_loss():
     assert b.on_survivors(6).allowed_rollout == (2, 4) and b.on_survivors(6).splits() == (2, 4)
     free = b.on_survivors(2)  # none of them fits two devices: any legal split, so the run survives
     assert free.allowed_rollout == () and free.splits() == (1,)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(["hysteresis", "greedy"]),
+       n_dev=st.integers(min_value=6, max_value=24),
+       unit=st.sampled_from([1, 2]),
+       heavy=st.floats(20.0, 100.0),
+       toward=st.sampled_from([ROLLOUT, TRAIN]))
+def test_a_clear_imbalance_makes_the_adaptive_policies_move_toward_the_slow_stage(name, n_dev, unit, heavy, toward):
+    """The guards above pass for a policy that never moves; this one does not. One stage is 4-100x
+    the other and stays so for 12 steps, from the split that starves it: the policy moves, first
+    toward that stage."""
+    bounds = Bounds(num_devices=n_dev, min_rollout=unit, min_train=2, move_unit=unit)
+    splits = bounds.splits()
+    start = splits[0] if toward == ROLLOUT else splits[-1]
+    times = [(heavy, 1.0) if toward == ROLLOUT else (1.0, heavy)] * 12
+    cfg = replace(PolicyConfig(), name=name, enter_band=0.02, exit_band=0.01)
+    policy = make_policy(cfg, bounds, num_steps=len(times), simulator=True)
+    moves = _run(policy, bounds, start, times, cfg.cooldown_steps if name == "hysteresis" else 0)
+    assert moves, f"{name} never moved on a {heavy:.0f}x imbalance toward {toward}"
+    assert moves[0][1] == (1 if toward == ROLLOUT else -1)
