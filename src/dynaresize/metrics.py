@@ -13,6 +13,13 @@ Invariants: `idle_fraction` and `tail_idle_fraction` are shares of `num_devices 
 total_time_s`, `tail_idle_fraction <= idle_fraction`; `resizes = resizes_to_rollout +
 resizes_to_train`. Pure: no Ray, torch or I/O.
 
+The headline (`headline_rows`): the figures a reader of a run comes for, one list of (figure,
+value, unit) rows that `dynaresize run`'s closing summary prints and `dynaresize report` puts
+first: throughput, its gain over the simulator's prediction for the static split the run started
+from and over its prediction for the run's own policy (emulated runs; `Prediction`), resizes
+each way, idle and tail idle, reward first -> last, the ledger. Every time is in the run's time
+unit, which the rows name (emulated, wall or simulated seconds).
+
 Scalars derived from records (`step_scalars`, `resize_scalars`, `eval_scalars` and the text
 lines): one definition shared by the experiment trackers and the report. Read only: maps one record (a dict of the docs/records.md schema) to named scalars.
 `STEP_SCALARS` and `RESIZE_SCALARS` list every name with the record field it comes from;
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from dynaresize.types import ROLLOUT, TRAIN
@@ -52,6 +60,77 @@ def resize_counts(to_roles: Iterable[str]) -> dict:
     roles = list(to_roles)
     return {"resizes": len(roles), "resizes_to_rollout": roles.count(ROLLOUT), "resizes_to_train": roles.count(TRAIN)}
 
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """The simulator's prediction for an emulated run's job (`emulate.predict`): samples/s of the
+    static split the run started from, and of the run's own policy (with its resizes)."""
+
+    start_rollout: int
+    static_samples_per_s: float
+    policy_samples_per_s: float
+    policy_resizes: int
+
+    def __post_init__(self) -> None:
+        if self.start_rollout < 0 or self.policy_resizes < 0:
+            raise ValueError(f"Prediction: negative count in {self}")
+        if not (self.static_samples_per_s > 0 and self.policy_samples_per_s > 0):
+            raise ValueError(f"Prediction: samples/s must be > 0, got {self}")
+
+
+# Why an unpaced run's headline has no prediction.
+NO_PREDICTION_UNPACED = ("none: an unpaced run (this machine's wall seconds); the simulator predicts emulated runs "
+                         "(--emulate, cluster.emulate)")
+
+
+def time_unit_short(summary: dict, *, simulated: bool = False) -> str:
+    """"simulated s", "emulated s" or "wall s": the unit of a run's times (its summary's
+    `emulate` says whether they were paced)."""
+    return "simulated s" if simulated else ("emulated s" if summary.get("emulate") else "wall s")
+
+
+def headline_rows(summary: dict, prediction: Prediction | None = None, *, no_prediction: str = "",
+                  simulated: bool = False) -> list[tuple[str, str, str]]:
+    """The run's headline: (figure, value, unit) rows, from its summary and, for an emulated run,
+    the simulator's `prediction` (else `no_prediction` says why there is none; empty: no rows).
+    A figure whose summary fields are absent (a simulated run has no reward or ledger) is left out."""
+    unit = time_unit_short(summary, simulated=simulated)
+    rows: list[tuple[str, str, str]] = []
+    rate, total = number(summary.get("samples_per_s")), number(summary.get("total_time_s"))
+    if rate is not None:
+        rows.append(("throughput", f"{rate:.3f}", f"samples per {unit}"))
+    if total is not None:
+        rows.append(("run time", f"{total:.1f}", unit + (" of the steps (startup left out)" if summary.get("emulate")
+                                                          else "")))
+    if prediction is not None and rate is not None:
+        rows.append(("gain over static", f"{rate / prediction.static_samples_per_s:.2f}x",
+                     f"this run / the simulator's {prediction.static_samples_per_s:.3f} samples per {unit} for the "
+                     f"static split it started from ({prediction.start_rollout} rollout)"))
+        rows.append(("vs prediction", f"{rate / prediction.policy_samples_per_s:.3f}",
+                     f"measured / predicted: the simulator's {prediction.policy_samples_per_s:.3f} samples per "
+                     f"{unit} for this policy ({prediction.policy_resizes} resizes)"))
+    elif no_prediction:
+        rows.append(("gain over static", "n/a", no_prediction))
+    if "resizes" in summary:
+        rows.append(("resizes", str(summary["resizes"]), f"{summary.get('resizes_to_rollout', 0)} to rollout, "
+                     f"{summary.get('resizes_to_train', 0)} to train"))
+    idle, tail = number(summary.get("idle_fraction")), number(summary.get("tail_idle_fraction"))
+    if idle is not None:
+        rows.append(("idle", f"{idle:.1%}", "of device-seconds (devices x run time) with no work"))
+    if tail is not None:
+        rows.append(("tail idle", f"{tail:.1%}", "of device-seconds: rollout devices done, waiting for "
+                     "their step's last response (part of idle)"))
+    first, last = number(summary.get("reward_first")), number(summary.get("reward_last"))
+    if first is not None and last is not None:
+        rows.append(("reward", f"{first:.3f} -> {last:.3f}", "mean reward of the first steps -> the last "
+                     "(up to 2 each)"))
+    if "ledger_ok" in summary:
+        problems = summary.get("ledger_problems") or []
+        rows.append(("ledger", "ok" if summary["ledger_ok"] else "FAILED",
+                     "every sample generated once, consumed once or dropped with a reason" if summary["ledger_ok"]
+                     else "; ".join(str(p) for p in problems[:3])))
+    return rows
 
 
 # Training metrics a step record may carry (emitted by the trainer when it reports them).

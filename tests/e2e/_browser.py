@@ -29,15 +29,24 @@ def chromium() -> str:
     return exe
 
 
-def browser_verdict(page: Path) -> str:
-    """What the page's script wrote into #verdict once loaded in headless Chromium."""
+def browser_divs(page: Path, *ids: str) -> dict[str, str]:
+    """What the page's script wrote into each `<div id=...>` of `ids` once loaded in headless
+    Chromium (one browser start for all of them)."""
     exe = chromium()
     with tempfile.TemporaryDirectory(prefix="dynaresize-chromium-") as profile:
         proc = subprocess.run([exe, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", Path(page).resolve().as_uri()],
                               capture_output=True, text=True, timeout=180)
-    found = re.search(r'<div id="verdict">([^<]*)</div>', proc.stdout)
-    assert found, f"no verdict in Chromium's DOM (exit {proc.returncode}): {proc.stderr[-2000:]}"
-    return found.group(1)
+    out = {}
+    for div in ids:
+        found = re.search(rf'<div id="{div}">([^<]*)</div>', proc.stdout)
+        assert found, f"no {div} in Chromium's DOM (exit {proc.returncode}): {proc.stderr[-2000:]}"
+        out[div] = found.group(1)
+    return out
+
+
+def browser_verdict(page: Path) -> str:
+    """What the page's script wrote into #verdict once loaded in headless Chromium."""
+    return browser_divs(page, "verdict")["verdict"]
 
 
 def assert_every_figure_renders(page: Path, expected: int | None = None) -> int:

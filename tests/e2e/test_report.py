@@ -3,11 +3,14 @@
 Runs on records written here (no Ray): a synthetic run with spans, two resizes with their ops,
 eval records and a summary, and a small simulation. Checks the page is self-contained (every
 figure a data URI, no external script, style or link), that headless Chromium decodes every
-figure, and that a missing or malformed directory is one line and exit 2.
+figure, that the headline table is the page's first thing (in Chromium's first screen too) with
+the simulator's prediction for an emulated run, the whole summary last and collapsed, and that a
+missing or malformed directory is one line and exit 2.
 """
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
@@ -15,18 +18,30 @@ from pathlib import Path
 import pytest
 
 from dynaresize.cli import main
+from dynaresize.config_load import build_config, config_to_dict
+from dynaresize.metrics import NO_PREDICTION_UNPACED, headline_rows
 from dynaresize.pipeline.concurrency import concurrency_summary
 from dynaresize.records import Recorder
 
-from _browser import assert_every_figure_renders, browser_verdict
+from _browser import assert_every_figure_renders, browser_divs, browser_verdict
 
 STEPS = 6
 
 
-def _write_run(out: Path, *, evals: bool = True, concurrency: bool = False) -> Path:
+SUMMARY = {"steps": STEPS, "ledger_ok": True, "ledger_problems": [], "reward_by_step": [0.1] * STEPS,
+           "faults_unfired": ["kill:2@resize.reshard:9"], "samples_per_s": 3.5, "total_time_s": 10.8,
+           "idle_fraction": 0.125, "tail_idle_fraction": 0.03, "resizes": 2, "resizes_to_rollout": 1,
+           "resizes_to_train": 1, "reward_first": 0.05, "reward_last": 0.45, "emulate": None,
+           "time_unit": "wall seconds"}
+# An emulated job the simulator can predict (6 A100s, a 7B model, starting at 2 rollout devices).
+EMULATED = {"steps": STEPS, "cluster": {"devices": 6, "rollout_devices": 2, "emulate": "a100:7b"}}
+
+
+def _write_run(out: Path, *, evals: bool = True, concurrency: bool = False, config: dict | None = None,
+               summary: dict | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     with Recorder(out / "records.jsonl") as rec:
-        rec.emit("config", config={"steps": STEPS})
+        rec.emit("config", config=config or {"steps": STEPS})
         split = {"rollout": [0, 1], "train": [2, 3]}
         for k in range(STEPS):
             t0 = 2.0 * k
@@ -55,8 +70,7 @@ def _write_run(out: Path, *, evals: bool = True, concurrency: bool = False) -> P
             if k == 4:
                 rec.emit("fault", step=k, device=3, fault_kind="kill", point="train", injected=True, detect_s=0.3)
                 rec.emit("recovery", step=k, lost_devices=[3], recovery_s=0.5, num_devices=3, generation=1)
-        rec.emit("summary", summary={"steps": STEPS, "ledger_ok": True, "reward_by_step": [0.1] * STEPS,
-                                     "faults_unfired": ["kill:2@resize.reshard:9"]})
+        rec.emit("summary", summary=summary or SUMMARY)
     if evals:  # eval records (dynaresize.driver.evaluation, docs/records.md): appended as raw lines
         with open(out / "records.jsonl", "a") as fh:
             for k in (2, 5):
@@ -82,6 +96,68 @@ def test_run_report_is_self_contained_and_every_figure_renders_in_chromium(tmp_p
                    "kill:2@resize.reshard:9", "2R:2T", "3R:1T"):
         assert needle in text, needle
     assert_every_figure_renders(page, expected=7)
+
+
+def _headline(text: str) -> list[tuple[str, str, str]]:
+    """The (figure, value, unit) rows of the page's first headline table."""
+    table = re.search(r'<table id="headline" class="headline">(.*?)</table>', text).group(1)
+    rows = re.findall(r'<tr><th scope="row">([^<]*)</th><td class="num">([^<]*)</td><td>([^<]*)</td></tr>', table)
+    return [tuple(html.unescape(c) for c in row) for row in rows]
+
+
+def test_the_headline_comes_first_in_chromium_and_the_whole_summary_last_collapsed(tmp_path):
+    run = _write_run(tmp_path / "run")
+    assert main(["report", str(run)]) == 0
+    page = run / "report.html"
+    text = page.read_text()
+    first_table, first_img = text.index("<table"), text.index("<img")
+    assert text.index('<table id="headline"') == first_table < first_img
+    assert _headline(text) == headline_rows(SUMMARY, no_prediction=NO_PREDICTION_UNPACED)
+    assert dict((f, v) for f, v, _ in _headline(text)) == {
+        "throughput": "3.500", "run time": "10.8", "gain over static": "n/a", "resizes": "2", "idle": "12.5%",
+        "tail idle": "3.0%", "reward": "0.050 -> 0.450", "ledger": "ok"}
+    assert "Times are wall seconds." in text
+    summary_at = text.index('<details class="summary">')
+    assert summary_at > text.rindex("<img") and summary_at > text.index("Faults (1)")
+    details = text[summary_at:text.index("</details>", summary_at)]
+    assert f"Every field of the summary ({len(SUMMARY)})" in details
+    assert all(f"<td>{key}</td>" in details for key in SUMMARY)
+    assert text.count("<td>reward_by_step</td>") == 1  # the raw fields only there
+    shown = browser_divs(page, "verdict", "first-shown")
+    assert shown == {"verdict": "figures ok: 7/7", "first-shown": "headline in the first screen"}
+
+
+def test_an_emulated_runs_headline_has_the_simulators_prediction_of_its_config(tmp_path):
+    from dynaresize.driver.console import closing_summary
+    from dynaresize.emulate.predict import headline_prediction
+
+    cfg = build_config(EMULATED)
+    summary = {**SUMMARY, "emulate": "a100:7b", "time_unit": "emulated seconds (a100:7b: ...)", "samples_per_s": 0.2}
+    run = _write_run(tmp_path / "run", evals=False, config=config_to_dict(cfg), summary=summary)
+    assert main(["report", str(run)]) == 0
+    text = (run / "report.html").read_text()
+    pred = headline_prediction(cfg)
+    rows = {f: (v, u) for f, v, u in _headline(text)}
+    assert rows["gain over static"][0] == f"{0.2 / pred.static_samples_per_s:.2f}x"
+    assert f"{pred.static_samples_per_s:.3f} samples per emulated s" in rows["gain over static"][1]
+    assert f"({pred.start_rollout} rollout)" in rows["gain over static"][1]
+    assert rows["vs prediction"][0] == f"{0.2 / pred.policy_samples_per_s:.3f}"
+    assert rows["throughput"] == ("0.200", "samples per emulated s")
+    # `dynaresize run` ends with the same rows, from the same function
+    console = closing_summary({**summary, "devices": 6, "rollout_devices_final": 2, "world_inits_max": 1,
+                               "groups_created": 0, "groups_created_critical": 0}, "RUN", prediction=pred)
+    for figure, value, unit in _headline(text):
+        assert f"{figure:<18}{value}  ({unit})" in console.splitlines()
+
+
+def test_a_config_the_simulator_cannot_rebuild_gives_no_prediction_and_says_why(tmp_path):
+    config = config_to_dict(build_config(EMULATED))
+    config["cluster"]["rollout_devices"] = 99
+    run = _write_run(tmp_path / "run", evals=False, config=config, summary={**SUMMARY, "emulate": "a100:7b"})
+    assert main(["report", str(run)]) == 0
+    rows = {f: (v, u) for f, v, u in _headline((run / "report.html").read_text())}
+    assert rows["gain over static"][0] == "n/a" and "cannot rebuild this run's job today" in rows["gain over static"][1]
+    assert "cluster.rollout_devices=99" in rows["gain over static"][1] and "vs prediction" not in rows
 
 
 def test_report_without_eval_or_resizes_says_so(tmp_path):

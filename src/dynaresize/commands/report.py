@@ -1,7 +1,9 @@
 """`dynaresize report RUN_DIR`: one self-contained HTML page about a run.
 
-Writes RUN_DIR/report.html (or --out FILE): the split over time, stage times, idle breakdown,
-reward (and eval), the device timeline, every resize with its ops, and the summary; figures are
+Writes RUN_DIR/report.html (or --out FILE): first the headline table (the figures `dynaresize
+run` ends with: throughput, gain over the static split and the simulator's prediction, resizes,
+idle, reward, ledger), then the split over time, stage times, idle breakdown, reward (and eval),
+the device timeline, every resize with its ops, and last the whole summary, collapsed; figures are
 inlined, so the page opens anywhere without a network. RUN_DIR is a `dynaresize run` directory
 or a `dynaresize simulate` output directory (one section per policy). A missing or malformed
 directory is one line on stderr and exit 2. See `dynaresize.report.html`.

@@ -153,9 +153,7 @@ def main(args: argparse.Namespace) -> int:
         warn_unfired(stop_summary if stop_summary.get("stopped") else {})
         print(f"dynaresize: run stopped: {exc}", file=sys.stderr)
         return 1
-    print(format_summary(summary, out))
-    if cfg.cluster.emulate and not summary.get("stopped"):
-        print(format_prediction(cfg, summary))
+    print(run_closing_summary(cfg, summary, out))
     warn_unfired(summary)
     return 0 if summary["ledger_ok"] else 1
 
@@ -170,31 +168,18 @@ def warn_unfired(summary: dict) -> None:
               f"at step {f.step} with device {f.device} alive", file=sys.stderr)
 
 
-def format_summary(s: dict, out: str) -> str:
-    lines = [
-        f"run directory     {out}",
-        f"steps x devices   {s['steps']} x {s['devices']}  (final split {s['rollout_devices_final']} rollout)",
-        f"engines           rollout {s.get('rollout_engine', '?')}"
-        + (f" (auto: {s['rollout_engine_why']})" if s.get("rollout_engine_why") else "")
-        + f", training FSDP2 {s.get('train_dtype', '?')}",
-        f"total time        {s['total_time_s']:.1f} s   ({s['samples_per_s']:.2f} samples/s)",
-        f"resizes           {s['resizes']}  (to rollout {s['resizes_to_rollout']}, to train {s['resizes_to_train']})",
-        f"reward            {s['reward_first']:.3f} -> {s['reward_last']:.3f}",
-        f"ledger            {'ok' if s['ledger_ok'] else 'FAILED: ' + '; '.join(s['ledger_problems'][:3])}",
-        f"communicators     world inits {s['world_inits_max']}, groups created {s['groups_created']} "
-        f"(on a resize's critical path: {s['groups_created_critical']})",
-    ]
-    if "overhead_s" in s:
-        lines.append(f"time unit         {s['time_unit']}" + (f"; wall {s['wall_time_s']:.0f} s with startup"
-                                                              if s.get("emulate") else ""))
-        lines.append(f"overhead          {s['overhead_s']:.1f} s of {s['steps_time_s']:.1f} s "
-                     f"({s['overhead_fraction']:.1%}: driver, controller, Ray)"
-                     + (f"; steps that overran their paced time: {s['overrun_steps']}" if s.get("emulate") else ""))
-    if s.get("faults_injected") or s.get("recoveries"):
-        times = ", ".join(f"{r['recovery_s']:.1f}s" for r in s.get("recoveries", []))
-        lines.append(f"faults            injected {s['faults_injected']}, recovered {s['faults_recovered']}  "
-                     f"(recoveries: {times or 'none'}; devices now {s['devices_final']})")
-    return "\n".join(lines)
+def run_closing_summary(cfg, summary: dict, out: str) -> str:
+    """The closing summary (driver/console.py), with the simulator's prediction for an emulated run."""
+    from dynaresize.driver.console import closing_summary
+    from dynaresize.metrics import NO_PREDICTION_UNPACED
+
+    if not cfg.cluster.emulate:
+        return closing_summary(summary, out, no_prediction=NO_PREDICTION_UNPACED)
+    if summary.get("stopped"):
+        return closing_summary(summary, out)
+    from dynaresize.emulate.predict import best_static, headline_prediction
+
+    return closing_summary(summary, out, prediction=headline_prediction(cfg), best_static=best_static(cfg))
 
 
 def emulation_banner(cfg) -> str:
@@ -203,25 +188,6 @@ def emulation_banner(cfg) -> str:
     return (f"dynaresize: emulated timing: every device paces its real work to a {cfg.cluster.emulate} "
             f"(accelerator:model) at {time_scale_of(cfg.cluster):g} emulated seconds per wall second; times "
             f"below are emulated seconds. Unpaced (this machine's own speed): add --emulate none")
-
-
-def format_prediction(cfg, s: dict) -> str:
-    """The run's throughput beside the simulator's prediction, for the same job, of the static
-    split it started from and of its own policy (emulated runs)."""
-    from dynaresize.emulate.predict import best_static, predict, start_split
-
-    start = start_split(cfg)
-    static = predict(cfg, f"static:{start}")
-    own = predict(cfg)
-    best, best_rate = best_static(cfg)
-    measured = s["samples_per_s"]
-    return "\n".join([
-        f"vs static split   this run {measured:.3f} samples/s; the simulator predicts {static.samples_per_s:.3f} for "
-        f"the static split it started from ({start} rollout): {measured / static.samples_per_s:.2f}x",
-        f"prediction        the simulator predicts {own.samples_per_s:.3f} samples/s for this run's policy "
-        f"({own.resizes} resizes): measured/predicted {measured / own.samples_per_s:.3f}; the best fixed split "
-        f"in hindsight ({best} rollout) {best_rate:.3f}",
-    ])
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,6 +15,7 @@ from typing import Any
 
 from dynaresize.emulate.model import Emulator, run_bounds
 from dynaresize.errors import ConfigError
+from dynaresize.metrics import Prediction
 
 
 def _start(policy: Any, cfg: Any) -> int:
@@ -77,3 +78,13 @@ def best_static(cfg: Any) -> tuple[int, float]:
     else:
         split, total = sweep(build_table(scenario.stages(), grid(bounds), cfg.cluster.devices, cfg.steps))
     return split, scenario.total_samples() / total
+
+
+def headline_prediction(cfg: Any) -> Prediction:
+    """The simulator's figures for a run's headline (`metrics.Prediction`): samples/s of the static
+    split the run of `cfg` starts from and of its own policy. Shared by `dynaresize run`'s closing
+    summary and `dynaresize report`."""
+    start = start_split(cfg)
+    static, own = predict(cfg, f"static:{start}"), predict(cfg)
+    return Prediction(start_rollout=start, static_samples_per_s=static.samples_per_s,
+                      policy_samples_per_s=own.samples_per_s, policy_resizes=own.resizes)

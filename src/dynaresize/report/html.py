@@ -1,14 +1,19 @@
 """`RUN_DIR/report.html`: one self-contained page about a run (or every policy of a simulation).
 
-Sections per run: summary table, split over time, stage times, idle breakdown (tail vs other),
-reward (and eval when `eval` records exist: a curve per metric and a table), the device timeline (real runs: `span` records),
-the requests in flight per replica (only when `concurrency` records exist: a figure, a table row per device),
-and every resize with its ops (a table, and a Gantt chart for the first `MAX_GANTT`).
+Sections per run: first the headline table (report/headline.py: throughput, gain over the
+static split it started from and the simulator's prediction, resizes each way, idle and tail
+idle, reward first -> last, ledger; the figures `dynaresize run` prints at its end), then split
+over time, stage times, idle breakdown (tail vs other), reward (and eval when `eval` records
+exist: a curve per metric and a table), the device timeline (real runs: `span` records), the
+requests in flight per replica (only when `concurrency` records exist: a figure, a table row per
+device), every resize with its ops (a table, and a Gantt chart for the first `MAX_GANTT`), faults,
+and last the whole summary, every field, in a collapsed `<details>`.
 
 Invariants: the page needs nothing beside it and no network: figures are PNG data URIs, the CSS
 is inline, the one script is inline and only checks that every figure decoded (it writes the
-verdict into `<div id="verdict">`, which the browser test reads). Every text from the records
-is HTML-escaped.
+verdict into `<div id="verdict">`, which the browser test reads, and into `<div id="first-shown">`
+the id of the page's first table or figure and whether it is in the first screen). Every text
+from the records is HTML-escaped.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any, Callable
 
 from dynaresize.metrics import number, split_text, step_scalars
 from dynaresize.report import run_figures as rf
+from dynaresize.report.headline import HEADLINE_ID, headline_html
 from dynaresize.report.load import RunRecords, load_runs
 from dynaresize.report.mpl import figure_data_uri, file_data_uri
 
@@ -30,12 +36,13 @@ CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; padding: 0 1em; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
 table { border-collapse: collapse; margin: .6em 0; font-size: 13px; }
+table.headline { font-size: 15px; } table.headline td.num { font-weight: 600; white-space: nowrap; }
 th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f4f4f4; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 12px; } .crit { color: #C44E52; font-weight: 600; }
 details { margin: .4em 0 1em; } summary { cursor: pointer; } .note { color: #666; }
-#verdict { color: #888; font-size: 11px; margin-top: 3em; }
+#verdict, #first-shown { color: #888; font-size: 11px; margin-top: 3em; }
 """
 
 # Runs after every image has loaded or failed: lists those that did not decode.
@@ -45,6 +52,10 @@ window.addEventListener('load', function () {
   imgs.forEach(function (i) { if (!i.complete || i.naturalWidth === 0) { bad.push(i.id); } });
   document.getElementById('verdict').textContent = bad.length
     ? 'figures failed: ' + bad.join(' ') : 'figures ok: ' + imgs.length + '/' + imgs.length;
+  var first = document.querySelector('table, figure');
+  document.getElementById('first-shown').textContent = first
+    ? (first.id || first.tagName.toLowerCase()) + (first.getBoundingClientRect().top < window.innerHeight
+       ? ' in the first screen' : ' below the first screen') : 'none';
 });
 """
 
@@ -70,6 +81,7 @@ class Page:
                 f"<title>{esc(title)}</title><style>{CSS}</style></head><body>\n"
                 + "\n".join(self.parts)
                 + f'\n<div id="verdict">figures not checked yet ({self.num_figures})</div>'
+                '\n<div id="first-shown">not checked yet</div>'
                 f"\n<script>{VERDICT_JS}</script>\n</body></html>\n")
 
 
@@ -100,15 +112,12 @@ def table(head: list[str], rows: list[list[Any]]) -> str:
             + "".join("<tr>" + "".join(cell(v) for v in row) + "</tr>" for row in rows) + "</table>")
 
 
-def run_section(page: Page, run: RunRecords, *, max_gantt: int = MAX_GANTT, level: int = 2) -> None:
+def run_section(page: Page, run: RunRecords, *, max_gantt: int = MAX_GANTT, level: int = 2, index: int = 0) -> None:
     # a resumed run may record a step again (rolled back, then run again): its last record is its state
     steps = sorted({r["step"]: r for r in run.of("step")}.values(), key=lambda r: r["step"])
     resizes, ops, evals = run.of("resize"), run.of("op"), run.of("eval")
     h = f"h{level}"
-    page.add(f"<{h}>Summary</{h}>")
-    summary = run.summary
-    page.add(table(["field", "value"], [[k, v] for k, v in summary.items()]) if summary
-             else '<p class="note">No summary record (the run has not finished).</p>')
+    page.add(headline_html(run, table_id=HEADLINE_ID if index == 0 else f"{HEADLINE_ID}-{index + 1}"))
     page.add(f"<{h}>Split and stage times</{h}>")
     page.figure("Rollout and training devices per step", lambda: rf.split_figure(steps, resizes))
     page.figure("Rollout, training and weight-sync seconds per step", lambda: rf.stage_times_figure(steps))
@@ -130,6 +139,11 @@ def run_section(page: Page, run: RunRecords, *, max_gantt: int = MAX_GANTT, leve
     _concurrency(page, run.of("concurrency"), resizes, h)
     _resizes(page, resizes, ops, max_gantt, h)
     _faults(page, run, h)
+    summary = run.summary
+    page.add(f"<{h}>Summary</{h}>")
+    page.add(f'<details class="summary"><summary>Every field of the summary ({len(summary)})</summary>'
+             + table(["field", "value"], [[k, v] for k, v in summary.items()]) + "</details>" if summary
+             else '<p class="note">No summary record (the run has not finished).</p>')
 
 
 def _concurrency(page: Page, records: list[dict], resizes: list[dict], h: str) -> None:
@@ -239,9 +253,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         run_section(page, runs[0])
     else:
         _sim_header(page, sim_doc, root)
-        for run in runs:
+        for i, run in enumerate(runs):
             page.add(f"<h2>Policy {esc(run.name)}</h2>")
-            run_section(page, run, max_gantt=SIM_GANTT, level=3)
+            run_section(page, run, max_gantt=SIM_GANTT, level=3, index=i)
     path = Path(out) if out is not None else root / "report.html"
     path.write_text(page.html(title), encoding="utf-8")
     return path
