@@ -8,13 +8,15 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Install the CPU torch wheel first where no torch is present: a bare `torch` requirement
-# would otherwise pull a multi-GB CUDA build. Then vLLM (scripts/install_vllm.sh: the CPU
-# build without nvidia-smi, the CUDA build with it; DYNARESIZE_NO_VLLM=1 skips it; where it
-# cannot be installed a note is printed and the HF engine is used).
-$(STAMP): pyproject.toml scripts/install_vllm.sh
+# torch first where none is present (scripts/install_torch.sh: the CPU build from PyTorch's CPU
+# index without a GPU, TORCH_INDEX / TORCH_SPEC to change it; the CUDA build with one): a bare
+# `torch` requirement would otherwise pull a multi-GB CUDA build. Then vLLM
+# (scripts/install_vllm.sh: the CPU build without nvidia-smi, the CUDA build with it;
+# DYNARESIZE_NO_VLLM=1 skips it; where it cannot be installed a note is printed and the HF engine
+# is used, except under CI=true or DYNARESIZE_REQUIRE_VLLM=1, where setup fails).
+$(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_vllm.sh
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	scripts/install_torch.sh $(PY)
 	$(PY) -m pip install --quiet -e '.[dev,cluster,tensorboard,mlflow,wandb]'
 	scripts/install_vllm.sh $(PY)
 	touch $(STAMP)
@@ -37,11 +39,15 @@ lint: $(STAMP)
 test: $(STAMP) browser
 	$(VENV)/bin/lint-imports
 	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q
+	@echo "make test: the default suite passed; the slow suite (fault matrix, resumes, node loss, TP replicas," \
+	  "multi-turn, compare, bench resize, the demo and math presets) runs with 'make test-slow' (CI runs both)"
 
+# Every slow test: the fault matrix and the rest of test-faults below, TP replicas, multi-turn and
+# agent runs, compare, bench resize, the demo and math presets. CI runs it after `make test`.
 test-slow: $(STAMP) browser
 	HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled $(PY) -m pytest -q -m slow
 
-# The fault matrix (kill/stop x every fault point), the resumes on other device counts, a
+# A subset of test-slow: the fault matrix (kill/stop x every fault point), the resumes on other device counts, a
 # node lost whole on a 2-node Ray cluster on this machine (tests/e2e/test_multinode.py), and
 # `ray start --head` + `ray job submit` (tests/e2e/test_job_submit.py).
 test-faults: $(STAMP)

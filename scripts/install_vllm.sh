@@ -7,12 +7,23 @@
 #   and break `import vllm` (a text model needs none of them);
 # - DYNARESIZE_NO_VLLM=1 skips all this. Where vLLM cannot be installed or imported, a note is
 #   printed and setup goes on: rollout.engine=auto then uses the HF engine.
-# Never fails (exit 0), so `make setup` works on any machine.
+# - Where vLLM is required (CI=true, or DYNARESIZE_REQUIRE_VLLM=1), any of those is one line on
+#   stderr and exit 1: CI must not lose its vLLM coverage to a quiet install failure.
+# Otherwise never fails (exit 0), so `make setup` works on any machine.
 set -uo pipefail
 PY="${1:?usage: install_vllm.sh PYTHON}"
 cd "$(dirname "$0")/.."
 
-note() { echo "note: $*; rollout.engine=auto will use the HF engine" >&2; }
+required=0
+if [ "${CI:-}" = "true" ] || [ "${DYNARESIZE_REQUIRE_VLLM:-0}" = "1" ]; then required=1; fi
+
+note() {
+  if [ "$required" = "1" ]; then
+    echo "error: vLLM is required (CI=true or DYNARESIZE_REQUIRE_VLLM=1) but $*" >&2
+    exit 1
+  fi
+  echo "note: $*; rollout.engine=auto will use the HF engine" >&2
+}
 
 if [ "${DYNARESIZE_NO_VLLM:-0}" = "1" ]; then
   note "DYNARESIZE_NO_VLLM=1: vLLM not installed"

@@ -108,12 +108,10 @@ def test_a_failing_environment_scores_zero_with_the_reason_or_stops_the_run(ray_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_the_agent_preset_runs_with_resizes_each_way(ray_local, tmp_path, engine):
     from dynaresize.cli import main
 
-    if engine == "vllm":
-        pytest.importorskip("vllm")
     out = tmp_path / engine
     assert main(["run", "--no-progress", "--preset", "agent", "--set", f"rollout.engine={engine}",
                  "--out", str(out)]) == 0
