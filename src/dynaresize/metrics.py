@@ -113,8 +113,9 @@ def headline_rows(summary: dict, prediction: Prediction | None = None, *, no_pre
     elif no_prediction:
         rows.append(("gain over static", "n/a", no_prediction))
     if "resizes" in summary:
-        rows.append(("resizes", str(summary["resizes"]), f"{summary.get('resizes_to_rollout', 0)} to rollout, "
-                     f"{summary.get('resizes_to_train', 0)} to train"))
+        each_way = ("resizes_to_rollout" in summary and "resizes_to_train" in summary)
+        rows.append(("resizes", str(summary["resizes"]), f"{summary['resizes_to_rollout']} to rollout, "
+                     f"{summary['resizes_to_train']} to train" if each_way else "each way not recorded"))
     idle, tail = number(summary.get("idle_fraction")), number(summary.get("tail_idle_fraction"))
     if idle is not None:
         rows.append(("idle", f"{idle:.1%}", "of device-seconds (devices x run time) with no work"))

@@ -206,6 +206,15 @@ def test_simulation_directory_gets_one_section_per_policy(tmp_path):
     assert main(["report", str(sim)]) == 0
     text = (sim / "report.html").read_text()
     assert "Policy hysteresis" in text and "Policy greedy" in text and "allocation.png" in text
+    # each policy's headline: simulated seconds, resizes each way counted from its resize records
+    for i, policy in enumerate(("hysteresis", "greedy")):
+        resizes = [json.loads(x) for x in (sim / policy / "records.jsonl").read_text().splitlines()
+                   if json.loads(x)["kind"] == "resize"]
+        table = re.search(rf'<table id="headline{"" if i == 0 else "-2"}"(.*?)</table>', text).group(1)
+        to_rollout = sum(r["to_role"] == "rollout" for r in resizes)
+        assert (f'<td class="num">{len(resizes)}</td><td>{to_rollout} to rollout, {len(resizes) - to_rollout} to '
+                f'train</td>') in table
+        assert "samples per simulated s" in table and "gain over static" not in table and "ledger" not in table
     assert "Device timeline" not in text  # the simulator records no spans
     assert_every_figure_renders(sim / "report.html")
 

@@ -51,7 +51,7 @@ def test_a_failed_ledger_shows_its_problems_and_absent_figures_are_left_out():
     sim = _rows({k: SUMMARY[k] for k in ("samples_per_s", "total_time_s", "idle_fraction", "resizes")},
                 simulated=True)
     assert list(sim) == ["throughput", "run time", "resizes", "idle"]  # no reward, ledger or prediction invented
-    assert sim["throughput"][1] == "samples per simulated s" and sim["resizes"][1] == "0 to rollout, 0 to train"
+    assert sim["throughput"][1] == "samples per simulated s" and sim["resizes"] == ("3", "each way not recorded")
     assert time_unit_short({"emulate": "h100:7b"}, simulated=True) == "simulated s"
 
 

@@ -6,7 +6,8 @@ For an emulated run the simulator's prediction is made again from the run's `con
 (`emulate.predict.headline_prediction`, the function the run's closing summary uses), with
 today's cost models; a config this version can no longer build gives no prediction and says why
 instead of failing the page. A simulated run (no `span` records) has no prediction row: it is
-the simulator's own run.
+the simulator's own run; its summary counts resizes but not each way, so those come from its
+`resize` records.
 
 Invariant: every text from the records is HTML-escaped.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import html
 
 from dynaresize.errors import DynaresizeError
-from dynaresize.metrics import NO_PREDICTION_UNPACED, Prediction, headline_rows
+from dynaresize.metrics import NO_PREDICTION_UNPACED, Prediction, headline_rows, resize_counts
 from dynaresize.report.load import RunRecords
 
 HEADLINE_ID = "headline"  # the first table of a run's section (the browser test looks for it)
@@ -46,6 +47,8 @@ def headline_html(run: RunRecords, *, table_id: str = HEADLINE_ID) -> str:
     summary = run.summary
     if not summary:
         return '<p class="note">No summary record (the run has not finished): no headline.</p>'
+    if "resizes_to_rollout" not in summary:  # the simulator's summary counts resizes, not each way
+        summary = {**resize_counts(r["to_role"] for r in run.of("resize")), **summary}
     prediction, why = run_prediction(run)
     rows = headline_rows(summary, prediction, no_prediction=why, simulated=run.simulated)
     esc = html.escape
