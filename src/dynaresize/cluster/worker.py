@@ -52,11 +52,11 @@ from dynaresize.errors import ConfigError
 from dynaresize.reshard.layout import RowChunkLayout
 from dynaresize.rl.env import env_spec
 from dynaresize.rl.models import build_model
-from dynaresize.roles.base import GenRequest, resolve_engine
+from dynaresize.roles.base import GenRequest, engine_dtype, resolve_engine
 from dynaresize.roles.factory import rollout_engine_from_config
 from dynaresize.roles.train_fsdp import FSDPTrainer
 from dynaresize.roles.train_spec import TrainerSpec
-from dynaresize.roles.weight_sync import receive_weights, send_weights
+from dynaresize.roles.weight_sync import Staging, drain, receive_weights, send_weights
 
 
 def local_device(backend: str) -> torch.device:
@@ -207,6 +207,14 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         exact = self._engine_name() == "hf" and self.cfg.train.dtype == "fp32"
         return "engine" if exact else "recompute"
 
+    def _drop_trainer(self) -> None:
+        """Leave the train role: the worker lets go of its trainer, whose tensors go (its
+        `release` drops them, collects the reference cycles FSDP's modules and hooks form,
+        and frees the cache: roles/device_memory.py), before anything starts in that memory."""
+        trainer, self.trainer, self.train_ranks = self.trainer, None, ()
+        if trainer is not None:
+            trainer.release()
+
     def start_train(self, train_ranks: Sequence[int]) -> dict:
         """Initial role: a trainer shard of the freshly initialised model (identical everywhere)."""
         self.trainer = self._new_trainer(train_ranks, init=True)
@@ -242,15 +250,29 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         devices); rollout devices load them into their engines in place."""
         self._maybe_fault("weight_sync", step)
         t0 = time.time()
-        specs = self._model_specs()
+        specs, wire = self._model_specs(), self._wire_dtype()
         group = self.pool.get(sync_ranks) if self.device in sync_ranks else None
         if self.trainer is not None:
-            sent = send_weights(self.trainer.full_params(), specs, root=root, group=group,
+            sent = send_weights(self.trainer.full_params(), specs, root=root, group=group, dtype=wire,
                                 is_root=self.device == root, device=self.torch_device)
-        else:
-            state, sent = receive_weights(specs, root=root, group=group, device=self.torch_device)
-            self.engine.set_weights(state, version)
-        return {"t0": t0, "t1": time.time(), "bytes": sent, "device": self.device}
+            return {"t0": t0, "t1": time.time(), "bytes": sent, "device": self.device}
+        staging = Staging()
+        stream = receive_weights(specs, root=root, group=group, device=self.torch_device, dtype=wire, staging=staging)
+        try:
+            self.engine.set_weights(stream, version)  # each bucket loaded before the next is received
+        finally:
+            left = drain(stream)  # the root sends every bucket: take what a failed load left
+        if left:
+            raise RuntimeError(f"device {self.device}: the engine left {left} weight buckets of version {version}")
+        return {"t0": t0, "t1": time.time(), "bytes": staging.wire_bytes, "device": self.device,
+                **staging.record(wire)}
+
+    def _wire_dtype(self) -> torch.dtype:
+        """The dtype weights travel in to this run's engines: the engine's own (roles/base.py
+        `engine_dtype`, resolved as roles/factory.py does for this device), so a bf16 engine
+        gets half the bytes and no cast on arrival. Every device of a run resolves the same."""
+        cuda = self.torch_device.type == "cuda" if self._engine_name() == "hf" else None
+        return getattr(torch, engine_dtype(self.cfg, cuda=cuda))
 
     def param_digest(self) -> str:
         """sha1 of the full weights (collective over the training group)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import ray
@@ -39,7 +39,7 @@ import torch
 from dynaresize.cluster.faults import fire
 from dynaresize.comm import rendezvous
 from dynaresize.reshard.sources import ShardSource, array_fetch
-from dynaresize.roles.weight_sync import unflatten
+from dynaresize.roles.weight_sync import Staging, host_weights
 
 
 def _source(metas: Sequence[dict], arrays: Sequence[dict], partial: bool) -> ShardSource:
@@ -72,9 +72,7 @@ class RecoveryMixin:
         if self.pool is not None:
             self.pool.clear()
         self.device = int(rank)
-        if self.trainer is not None:
-            self.trainer.release()
-        self.trainer, self.train_ranks = None, ()
+        self._drop_trainer()
         self.moments.reset()  # the moments of a resize cut short come back from the snapshot
         self._full, self._full_version = None, None  # a resize cut short left them
         if self._parked is not None:  # a parked engine belongs to the old world's plan
@@ -152,8 +150,8 @@ class RecoveryMixin:
             self._forget_requests()
         t0 = time.time()
         source = _source(metas, [{"param": p} for p in params], partial=False)
-        self._load_engine(source.read("param", 0, source.numel, dtype=torch.float32), version)
-        return {"t0": t0, "t1": time.time(), "device": self.device, "version": version}
+        staged = self._load_engine(lambda lo, hi: source.read("param", lo, hi), version)
+        return {"t0": t0, "t1": time.time(), "device": self.device, "version": version, **staged}
 
     def load_rollout_checkpoint(self, directory: str, version: int) -> dict:
         """Rollout weights of `version` from a params-only checkpoint (resume)."""
@@ -161,15 +159,21 @@ class RecoveryMixin:
 
         t0 = time.time()
         reader = CheckpointReader(directory)
-        self._load_engine(reader.read("param", 0, reader.manifest["numel"], dtype=torch.float32), version)
-        return {"t0": t0, "t1": time.time(), "device": self.device, "version": version}
+        staged = self._load_engine(lambda lo, hi: reader.read("param", lo, hi), version)
+        return {"t0": t0, "t1": time.time(), "device": self.device, "version": version, **staged}
 
-    def _load_engine(self, flat: torch.Tensor, version: int) -> None:
+    def _load_engine(self, read: Callable[[int, int], torch.Tensor], version: int) -> dict:
+        """The engine (started or woken if none) loads the weights `read(lo, hi)` gives as one
+        flat vector, bucket by bucket through bounded host staging (pinned on CUDA) in the
+        engine's dtype (roles/weight_sync.py `host_weights`), never the whole model at once
+        on the device; the fields of its `weight_sync` record."""
         if self.trainer is not None:
-            self.trainer.release()
-            self.trainer, self.train_ranks = None, ()
+            self._drop_trainer()
         if self.engine is None:
             self.engine = self._new_engine()
-        self.engine.set_weights(unflatten(flat.to(self.torch_device), self._model_specs()), version)
+        wire, staging = self._wire_dtype(), Staging()
+        self.engine.set_weights(host_weights(self._model_specs(), read, dtype=wire, staging=staging,
+                                             pin=self.torch_device.type == "cuda"), version)
         self._mark_version(version)  # partial rollout: running requests go on under `version` (worker_serve.py)
         self.role = "rollout"
+        return staging.record(wire)

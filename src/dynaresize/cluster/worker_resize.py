@@ -69,8 +69,10 @@ class ResizeOpsMixin:
         stats = move_state(old, new, kinds=kinds, old_layout=old_layout, new_layout=new_layout, rank=self.device,
                            spec=self.spec, staging_bytes=self.cfg.reshard.staging_bytes, group=None)
         self.moments.arm({k: old.pieces(k) for k in MOMENT_KINDS} if old is not None else None, old_layout, new_ranks)
-        if old is not None:
-            old.model = old.ref = None  # parameters go now; moments stay until sent
+        if old is not None:  # parameters go now (collected by `free_train_memory`); moments stay until sent
+            old.model = old.ref = None
+            old.params = []
+        del old
         self.trainer = new
         if new is not None:
             new.load_scalars(scalars)
@@ -101,8 +103,9 @@ class ResizeOpsMixin:
 
     def free_train_memory(self) -> dict:
         """After the moments left: return what training held on a leaving device to the device
-        (its old shards were dropped when they were sent). CUDA: synchronize first, so no
-        kernel of this device is in flight when the cache is emptied."""
+        (its old shards were dropped when they were sent; the old model's reference cycles are
+        collected here, before the engine starts: roles/device_memory.py). CUDA: synchronize
+        first, so no kernel of this device is in flight when the cache is emptied."""
         t0 = time.time()
         self.moments.require_done()
         release_device_memory(self.torch_device)

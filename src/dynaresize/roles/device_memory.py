@@ -1,20 +1,33 @@
 """Giving a device's memory back when a role leaves it.
 
-Invariant: after `release_device_memory`, torch's CUDA allocator holds no block that a released
-role allocated: its free cached blocks go back to the device, and so do cuBLAS's workspaces,
-which torch allocates through the same allocator, one per thread that ran a matmul (32 MiB each
-on Hopper: the forward's thread and the autograd thread), and otherwise keeps for the process's
-life. They come back on the next matmul, whichever role runs it. On the CPU it does nothing.
+Release means collected: a leaving trainer's FSDP2 modules, hooks and DTensors form reference
+cycles, so dropping the last outside reference frees nothing until the cyclic collector runs,
+and an engine started meanwhile finds the memory still taken (vLLM checks the free memory at
+start; a parked engine wakes into what it had). `release_device_memory` therefore runs
+`gc.collect()` first, then gives cached blocks back. Order matters with vLLM: its start freezes
+the GC (roles/rollout_vllm.py), and an object still uncollected when the heap is frozen stays
+until the freeze ends, so every release that precedes an engine's start or wake calls this
+first (cluster/worker_resize.py `free_train_memory`, the trainer's `release`).
+
+Invariant: after `release_device_memory`, no unreachable object of this process still holds a
+tensor, and torch's CUDA allocator holds no block that a released role allocated: its free
+cached blocks go back to the device, and so do cuBLAS's workspaces, which torch allocates
+through the same allocator, one per thread that ran a matmul (32 MiB each on Hopper: the
+forward's thread and the autograd thread), and otherwise keeps for the process's life. They
+come back on the next matmul, whichever role runs it. On the CPU only the collection runs.
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch
 
 
 def release_device_memory(device: torch.device) -> None:
-    """Return cached and workspace memory to the device once no kernel of this process is in
-    flight (call on the issuing thread, between collectives)."""
+    """Collect unreachable objects, then return cached and workspace memory to the device once
+    no kernel of this process is in flight (call on the issuing thread, between collectives)."""
+    gc.collect()
     if device.type != "cuda":
         return
     torch.cuda.synchronize(device)

@@ -36,7 +36,6 @@ No global state is touched (threads, RNG, default dtype): the caller pins thread
 
 from __future__ import annotations
 
-import gc
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -75,21 +74,44 @@ class HFRolloutEngine:
     def loaded(self) -> bool:
         return self._model is not None
 
-    def set_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Load `state_dict` (every parameter, by `named_parameters` name: a tied weight once,
-        its aliases filled in here) strictly, and tag later results with `version`."""
+    def set_weights(self, weights: Mapping[str, Any] | Iterable[list[tuple[str, Any]]], version: int) -> None:
+        """Load every parameter strictly, and tag later results with `version`. `weights`: a
+        state dict (by `named_parameters` name: a tied weight once, its aliases filled in
+        here), or a stream of chunks of (name, weight) pairs (roles/weight_sync.py), each
+        copied into the model before the next is asked for, so no more than the chunk in hand
+        is held outside the model."""
         if self._model is None:
             self._load_model()
         assert self._model is not None
-        with torch.no_grad():
-            self._model.load_state_dict(complete_state_dict(state_dict, self._model), strict=True)
+        if isinstance(weights, Mapping):
+            with torch.no_grad():
+                self._model.load_state_dict(complete_state_dict(weights, self._model), strict=True)
+        else:
+            self._load_stream(weights)
         self.version = int(version)
+
+    def _load_stream(self, chunks: Iterable[list[tuple[str, Any]]]) -> None:
+        params = dict(self._model.named_parameters())  # a tied weight once: it is one tensor
+        seen: set[str] = set()
+        with torch.no_grad():
+            for chunk in chunks:
+                for name, tensor in chunk:
+                    p = params.get(name)
+                    if p is None or name in seen or tuple(tensor.shape) != tuple(p.shape):
+                        why = "unexpected" if p is None else "given twice" if name in seen else \
+                            f"shape {tuple(tensor.shape)}, the model's {tuple(p.shape)}"
+                        raise RuntimeError(f"rollout engine weights: {name} {why}")
+                    p.copy_(tensor)
+                    seen.add(name)
+                chunk.clear()  # its buffer may go before the next one arrives
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise RuntimeError(f"rollout engine weights: missing {missing[:8]} (of {len(params)})")
 
     def release(self) -> None:
         """Free the model and its caches (running requests are dropped); `set_weights` loads it again."""
         self._model, self._cohorts = None, []
-        gc.collect()
-        release_device_memory(self.device)
+        release_device_memory(self.device)  # collects first
 
     def weights_digest(self, names: Iterable[str] | None = None) -> str:
         """`weight_sync.weights_digest` of the weights this engine serves (`names`, or every

@@ -11,6 +11,9 @@ Lifecycle (docs/rollout.md has the measured costs):
   whole decoder layers (a fused group, q/k/v, gate/up or weight+bias, is never split across
   calls: vLLM would process a half-loaded layer), then the tied lm_head is re-dispatched (on
   CPU its GEMM handle is built from the embedding at load time) and the prefix cache reset.
+  A weight sync's stream of buckets (roles/weight_sync.py) goes in one `reload_weights` call
+  whose iterator receives the next bucket only when vLLM asks for it: vLLM loads a module
+  as soon as its weights are in, so at most two buckets are held outside the engine.
 - `release()` tears the engine down and frees its memory (on CPU `sleep` frees nothing);
   `park()`/`unpark()` use vLLM's sleep mode where it frees memory (CUDA), else do nothing.
 
@@ -54,7 +57,8 @@ from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request
 from dynaresize.roles.vllm_weights import (_rpc_digest, _rpc_kv_cache_bytes, _rpc_redispatch_tied_head, _rpc_reload,
-                                           _rpc_weight_shapes, check_names, weight_chunks)
+                                           _rpc_weight_shapes, check_complete, check_names, checked_stream,
+                                           weight_chunks)
 from dynaresize.roles.vllm_tp import check_placement, fixed_request_ids, tp_creation, tp_engine_kwargs
 from dynaresize.roles.vllm_world import destroy_vllm_world, install_safe_cleanup, internals_problem, tp_name_base
 from dynaresize.roles.vllm_world import vllm_world
@@ -127,8 +131,9 @@ class VLLMRolloutEngine:
     def loaded(self) -> bool:
         return self._llm is not None
 
-    def set_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """`start` if released, else `load_weights`."""
+    def set_weights(self, state_dict: Mapping[str, Any] | Iterable[list[tuple[str, Any]]], version: int) -> None:
+        """`start` if released, else `load_weights`; `state_dict` may be a stream of chunks
+        (roles/weight_sync.py), loaded as it arrives (`_load`)."""
         if self._llm is None:
             self.start(state_dict, version)
         else:
@@ -193,12 +198,22 @@ class VLLMRolloutEngine:
         self.version = int(version)
         self.timings = {"load_s": time.perf_counter() - t0}
 
-    def _load(self, state_dict: Mapping[str, Any]) -> None:
-        check_names(state_dict, self._shapes, self._tied)
-        sd = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in state_dict.items()}
+    def _load(self, weights: Mapping[str, Any] | Iterable[list[tuple[str, Any]]]) -> None:
+        """A state dict: checked whole, then loaded in chunks of whole layers. A stream of
+        chunks (roles/weight_sync.py): one `reload_weights` call over an iterator that asks for
+        the next chunk only once vLLM took the last one's weights (vLLM loads each module as
+        its weights complete, and a chunk never splits one), so at most two chunks are held
+        outside the engine; names and shapes are checked as they arrive, completeness at the end."""
         with preserve_process_state(env=False):
-            for chunk in weight_chunks(sd, self.load_chunk_bytes):
-                self._llm.collective_rpc(_rpc_reload, args=([(n, sd[n]) for n in chunk],))
+            if isinstance(weights, Mapping):
+                check_names(weights, self._shapes, self._tied)
+                sd = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in weights.items()}
+                for chunk in weight_chunks(sd, self.load_chunk_bytes):
+                    self._llm.collective_rpc(_rpc_reload, args=([(n, sd[n]) for n in chunk],))
+            else:
+                seen: set[str] = set()
+                self._llm.collective_rpc(_rpc_reload, args=(checked_stream(weights, self._shapes, seen),))
+                check_complete(seen, self._shapes, self._tied)
             if self._tied:
                 self._llm.collective_rpc(_rpc_redispatch_tied_head)
             self._llm.reset_prefix_cache()

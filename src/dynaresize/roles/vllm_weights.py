@@ -3,6 +3,8 @@ written inside vLLM's worker (the `_rpc_*` functions run there through `collecti
 
 - `weight_groups` / `weight_chunks`: a state dict cut so that a decoder layer (hence every fused
   group of it: q/k/v, gate/up, weight+bias) is never split across two reload calls;
+- `checked_stream` / `check_complete`: a weight sync's stream of buckets (roles/weight_sync.py)
+  fed to one reload call as it arrives, checked name by name;
 - `state_dict_digest` and `_rpc_digest`: the same digest of the weights given and of the
   weights the engine computes with (`STALE_HEAD` marks a tied lm_head kernel that lags its
   embedding);
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -82,7 +84,9 @@ def weight_chunks(state_dict: Mapping[str, torch.Tensor], max_bytes: int | None)
 # so they would also pickle to a worker process.
 
 
-def _rpc_reload(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+def _rpc_reload(worker: Any, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """`items` may be a stream (`checked_stream`): the engine runs in this process
+    (roles/vllm_process.py), so the iterator is consumed here, not pickled."""
     layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     level = layerwise.level
     layerwise.setLevel(logging.ERROR)  # "RotaryEmbedding: Failed to load weights": its cache is not a weight
@@ -294,3 +298,28 @@ def check_names(state_dict: Mapping[str, Any], shapes: dict[str, tuple[int, ...]
         shape = tuple(state_dict[name].shape)
         if shape != shapes[name]:
             raise RuntimeError(f"vLLM engine weights: {name} has shape {shape}, the engine {shapes[name]}")
+
+
+def checked_stream(chunks: Iterable[list[tuple[str, Any]]], shapes: dict[str, tuple[int, ...]],
+                   seen: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, weight) pairs of a stream of chunks, each checked against the engine's
+    weights as it passes (an unknown name, a repeat or a wrong shape raises inside vLLM's
+    load, before anything of it is copied); `seen` collects the names. A chunk is emptied
+    once its pairs went by, so its buffer can go as soon as vLLM lets go of them."""
+    for chunk in chunks:
+        for name, tensor in chunk:
+            if name not in shapes or name in seen or tuple(tensor.shape) != shapes[name]:
+                why = ("unexpected" if name not in shapes else "given twice" if name in seen
+                       else f"has shape {tuple(tensor.shape)}, the engine {shapes[name]}")
+                raise RuntimeError(f"vLLM engine weights: {name} {why}")
+            seen.add(name)
+            yield name, tensor
+        chunk.clear()
+
+
+def check_complete(seen: set[str], shapes: dict[str, tuple[int, ...]], tied: bool) -> None:
+    """After a streamed load: every engine weight was given (a tied lm_head may be left out)."""
+    missing = sorted(set(shapes) - ({"lm_head.weight"} if tied else set()) - seen)
+    if missing:
+        raise RuntimeError(f"vLLM engine weights: missing key(s) {missing[:8]} (of {len(seen)} given, "
+                           f"{len(shapes)} expected)")

@@ -1,60 +1,143 @@
-"""Weight sync from the trainers to the rollout devices, in buckets over the sync communicator.
+"""Weight sync from the trainers to the rollout engines: buckets in the engine's dtype, each
+loaded before the next arrives.
 
 After each training step every trainer gathers the full weights parameter by parameter over
 the training group (FSDP2 `full_tensor`, roles/train_fsdp.py), and the sync root (the lowest
-training device) packs them, in the fixed order of the trainable parameters, into fp32
-buckets of at most `BUCKET_BYTES` and broadcasts each over the cached weight-sync group
-({root} + rollout devices). Receivers compute the same bucket boundaries from the parameter
-shapes alone, so no names or shapes cross the wire. The root never holds more than one bucket
-and one parameter beyond its shard; a receiver builds the full state dict its engine loads
-in one call (so fused groups such as q/k/v load whole).
+training device) packs them, in the fixed order of the trainable parameters, into buckets of
+at most `bucket_bytes` in the wire dtype (the engine's: bf16 for a bf16 engine, fp32 for fp32)
+and broadcasts each over the cached weight-sync group ({root} + rollout devices). Receivers
+compute the same bucket boundaries from the parameter names and shapes alone, so nothing but
+the weights crosses the wire. `receive_weights` is a stream: it yields one bucket's weights
+(views into that bucket) and receives the next only when the engine asks for it, so a sync
+holds at most two buckets of received weights outside the engine (the one being loaded and
+the one arriving), whatever the model's size. Pulls, restores and resumes read the weights
+from host memory (a snapshot or a checkpoint) through the same kind of stream (`host_weights`):
+bounded host staging (pinned on CUDA) instead of the whole model on the device.
+
+Buckets never split a fused unit (q/k/v of one layer, gate/up, a module's weight and bias):
+vLLM loads a module once all its weights arrived (roles/vllm_weights.py), so a unit cut in
+two would keep a third bucket alive; a unit larger than `bucket_bytes` is a bucket of its own.
 
 Why buckets: per-tensor messages are what made published syncs slow (open-instruct's
 per-parameter RPCs took >120 s before batching; SGLang's bucketed sync went from 130 s to 7 s
 for an 80B model: github.com/allenai/open-instruct/pull/1535, github.com/sgl-project/sglang/pull/13824),
-and one message of the whole model would need a second full copy on the root.
+and one message of the whole model would need a second full copy on the root and the
+receivers (a 7B model is 30.5 GB in fp32 where a vLLM device leaves ~10 GB free).
 
-Invariant: a receiver's state dict is bit-identical to the trainers' fp32 weights.
+Invariants: a receiver gets exactly the trainers' weights cast to the wire dtype (bit-identical
+in fp32, which deterministic mode uses and checks by digest); `Staging` counts, from the
+tensors' own lifetimes, the most bytes of received weights alive at once (`staging_peak_bytes`).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 BUCKET_BYTES = 256 << 20
 Spec = tuple[str, tuple[int, ...]]
+Chunk = list[tuple[str, torch.Tensor]]  # one bucket's (name, weight) pairs, in parameter order
+
+# Parameters that vLLM fuses into one module (Qwen2/Llama families): loaded as one unit.
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
     return int(torch.Size(shape).numel())
 
 
-def buckets(specs: Iterable[Spec], bucket_bytes: int = BUCKET_BYTES) -> list[list[Spec]]:
-    """Consecutive parameters grouped so a bucket's fp32 bytes stay within `bucket_bytes`
-    (a parameter larger than that gets a bucket of its own)."""
+def fused_unit(name: str) -> str:
+    """The unit a parameter loads with: its module, with q/k/v and gate/up of one layer one
+    unit (a name without a module is a unit of its own)."""
+    module, dot, _ = name.rpartition(".")
+    if not dot:
+        return name
+    parent, _, leaf = module.rpartition(".")
+    return f"{parent}.{_FUSED[leaf]}" if leaf in _FUSED else module
+
+
+def buckets(specs: Iterable[Spec], bucket_bytes: int = BUCKET_BYTES, elem_bytes: int = 4) -> list[list[Spec]]:
+    """Consecutive parameters grouped so a bucket's bytes (`elem_bytes` per element) stay
+    within `bucket_bytes`, consecutive parameters of one fused unit always in one bucket (a
+    unit larger than `bucket_bytes` gets a bucket of its own)."""
+    units: list[list[Spec]] = []
+    for spec in specs:
+        if units and fused_unit(units[-1][-1][0]) == fused_unit(spec[0]):
+            units[-1].append(spec)
+        else:
+            units.append([spec])
     out: list[list[Spec]] = []
     size = 0
-    for spec in specs:
-        n = _numel(spec[1]) * 4
+    for unit in units:
+        n = sum(_numel(s) for _, s in unit) * elem_bytes
         if not out or (size + n > bucket_bytes and out[-1]):
             out.append([])
             size = 0
-        out[-1].append(spec)
+        out[-1].extend(unit)
         size += n
     return out
 
 
+class Staging:
+    """Bytes of received weights alive outside the engine: each staging buffer is counted from
+    its allocation until the buffer and every view of it are gone (a view keeps its base
+    alive), so `peak_bytes` is what the process really held, not what the code meant to."""
+
+    def __init__(self) -> None:
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.wire_bytes = 0  # bytes of weights handed to the engine, in the wire dtype
+        self.num_buckets = 0
+        self.numel = 0
+        self.largest_bucket_bytes = 0
+        self.t0 = time.time()
+
+    def alloc(self, numel: int, dtype: torch.dtype, device: torch.device, *, pin: bool = False) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
+        n = numel * t.element_size()
+        self.live_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.wire_bytes += n
+        self.num_buckets += 1
+        self.numel += numel
+        self.largest_bucket_bytes = max(self.largest_bucket_bytes, n)
+        weakref.finalize(t, self._free, n)
+        return t
+
+    def _free(self, n: int) -> None:
+        self.live_bytes -= n
+
+    def record(self, dtype: torch.dtype) -> dict:
+        """The fields of a `weight_sync` record (docs/records.md) this staging measured."""
+        return {"wire_bytes": self.wire_bytes, "wire_dtype": str(dtype).replace("torch.", ""),
+                "staging_peak_bytes": self.peak_bytes, "num_params": self.numel, "num_buckets": self.num_buckets,
+                "largest_bucket_bytes": self.largest_bucket_bytes, "seconds": time.time() - self.t0}
+
+
+def _views(flat: torch.Tensor, bucket: list[Spec]) -> Chunk:
+    out: Chunk = []
+    off = 0
+    for name, shape in bucket:
+        n = _numel(shape)
+        out.append((name, flat[off:off + n].view(shape)))
+        off += n
+    return out
+
+
 def send_weights(full: Iterator[tuple[str, torch.Tensor]], specs: list[Spec], *, root: int, group, is_root: bool,
-                 device: torch.device, bucket_bytes: int = BUCKET_BYTES) -> int:
+                 device: torch.device, dtype: torch.dtype = torch.float32, bucket_bytes: int = BUCKET_BYTES) -> int:
     """Trainer side: consume the (collective) full-weight iterator; the root broadcasts each
-    bucket. Returns the bytes the root sent (0 elsewhere)."""
+    bucket, cast to the wire `dtype`. Returns the bytes the root sent (0 elsewhere)."""
     import torch.distributed as dist
 
     sent = 0
-    for bucket in buckets(specs, bucket_bytes):
-        flat = torch.empty(sum(_numel(s) for _, s in bucket), dtype=torch.float32, device=device) if is_root else None
+    for bucket in buckets(specs, bucket_bytes, dtype.itemsize):
+        flat = torch.empty(sum(_numel(s) for _, s in bucket), dtype=dtype, device=device) if is_root else None
         off = 0
         for name, shape in bucket:
             got_name, tensor = next(full)
@@ -64,30 +147,63 @@ def send_weights(full: Iterator[tuple[str, torch.Tensor]], specs: list[Spec], *,
             if is_root:
                 flat[off:off + tensor.numel()].copy_(tensor.reshape(-1))
             off += tensor.numel()
+            del tensor
         if is_root and group is not None:
             dist.broadcast(flat, src=root, group=group)
-            sent += flat.numel() * 4
+            sent += flat.numel() * flat.element_size()
+        del flat
     return sent
 
 
 def receive_weights(specs: list[Spec], *, root: int, group, device: torch.device,
-                    bucket_bytes: int = BUCKET_BYTES) -> tuple[dict[str, torch.Tensor], int]:
-    """Rollout side: receive every bucket; return the state dict (views into the buckets) and
-    the bytes received."""
+                    dtype: torch.dtype = torch.float32, bucket_bytes: int = BUCKET_BYTES,
+                    staging: Staging | None = None) -> Iterator[Chunk]:
+    """Rollout side, a stream: receive one bucket, yield its weights (views into it), receive
+    the next when asked. Hand it to the engine's `set_weights`; every bucket must be taken
+    (the root broadcasts them all: `drain` what an engine left)."""
     import torch.distributed as dist
 
-    out: dict[str, torch.Tensor] = {}
-    got = 0
-    for bucket in buckets(specs, bucket_bytes):
-        flat = torch.empty(sum(_numel(s) for _, s in bucket), dtype=torch.float32, device=device)
+    staging = staging if staging is not None else Staging()
+    for bucket in buckets(specs, bucket_bytes, dtype.itemsize):
+        flat = staging.alloc(sum(_numel(s) for _, s in bucket), dtype, device)
         dist.broadcast(flat, src=root, group=group)
-        got += flat.numel() * 4
-        off = 0
-        for name, shape in bucket:
-            n = _numel(shape)
-            out[name] = flat[off:off + n].view(shape)
-            off += n
-    return out, got
+        chunk = _views(flat, bucket)
+        del flat
+        yield chunk
+        del chunk  # before the next bucket is allocated: only the engine may still hold it
+
+
+def host_weights(specs: list[Spec], read: Callable[[int, int], torch.Tensor], *, dtype: torch.dtype,
+                 pin: bool, bucket_bytes: int = BUCKET_BYTES, staging: Staging | None = None) -> Iterator[Chunk]:
+    """A stream of the weights held on the host as one flat vector (`read(lo, hi)`: elements
+    [lo, hi) of it, a snapshot's or a checkpoint's): bucket by bucket, cast to `dtype` into a
+    staging buffer (pinned when `pin`, so the engine's copy to the device is a DMA), never the
+    whole model at once."""
+    staging = staging if staging is not None else Staging()
+    off = 0
+    for bucket in buckets(specs, bucket_bytes, dtype.itemsize):
+        n = sum(_numel(s) for _, s in bucket)
+        flat = staging.alloc(n, dtype, torch.device("cpu"), pin=pin)
+        flat.copy_(read(off, off + n))
+        off += n
+        chunk = _views(flat, bucket)
+        del flat
+        yield chunk
+        del chunk
+
+
+def drain(stream: Iterator[Chunk]) -> int:
+    """Take the buckets an engine left in `stream` (a collective: the root sends them all);
+    how many there were."""
+    return sum(1 for _ in stream)
+
+
+def chunks_of(weights: Mapping[str, Any] | Iterable[Chunk]) -> Iterator[Chunk]:
+    """The chunks an engine loads: a state dict is one chunk, a stream is its buckets."""
+    if isinstance(weights, Mapping):
+        yield list(weights.items())
+    else:
+        yield from weights
 
 
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.float32) -> str:
