@@ -73,7 +73,6 @@ class StepReporting:
                       reward_mean=scored.mean_reward, response_tokens=scored.num_tokens, version=step + 1,
                       reward_std=scored.reward_std, reward_left_out=scored.left_out,
                       **({"reward_metrics": scored.reward_metrics} if scored.metric_values else {}),
-                      **(scored.filtering or {}),
                       response_len_mean=scored.num_tokens / max(1, len(scored.samples)),
                       response_len_max=scored.longest_tokens,
                       rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
@@ -86,11 +85,9 @@ class StepReporting:
         the one the next step trains (rolled out in this window, so known before the decision)."""
         out = {"train_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in scored.samples)}
         if rolled is not None:
-            kept = self.dyn.kept_ids(step + 1) if self.dyn else None  # dynamic sampling: the chosen groups'
-            job = self.job
-            out["next_train_tokens"] = sum(len(job.encode(job.prompt_record(step + 1, res.sample_id[1])))
-                                           + len(res.response_ids) for _, res in rolled.results
-                                           if kept is None or res.sample_id in kept)
+            prompts = {r.sample_id: len(r.prompt_ids) for g in self.job.requests(step + 1) for r in g}
+            out["next_train_tokens"] = sum(prompts.get(res.sample_id, 0) + len(res.response_ids)
+                                           for _, res in rolled.results)
         return out
 
     def _stream_fields(self, step: int, scored: ScoredStep, pulls: list[dict], train_tail: float) -> dict:
