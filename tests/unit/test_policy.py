@@ -83,6 +83,25 @@ def test_online_model_recovers_a_synthetic_cluster():
     assert m2.rollout_s(2) == pytest.approx(60 + 800 / 2 ** 0.5)
 
 
+def test_an_over_stated_floor_is_conservative_about_rollout_devices():
+    """The unpaced runtime reports the longest engine call as `rollout_floor_s` (an upper bound of
+    the floor: batch-mates slow the longest response's decode steps); the simulator and emulated
+    runs the modelled floor. Fed the same stage times with the true floor and with an over-stated
+    one, the model agrees at the measured split, predicts no more gain from extra rollout devices,
+    and no more loss from fewer (docs/policies.md)."""
+    true, over = OnlineStageModel(window=4), OnlineStageModel(window=4)
+    for s in range(4):
+        rep = world(8, 8, step=s)
+        true.update(rep)
+        over.update(replace(rep, rollout_floor_s=rep.rollout_s * 0.9))  # most of the call, not 60 s
+    assert over.rollout_s(8) == pytest.approx(true.rollout_s(8))
+    for r in (9, 12, 15):
+        assert over.rollout_s(r) >= true.rollout_s(r) - 1e-9
+    for r in (1, 4, 7):
+        assert over.rollout_s(r) <= true.rollout_s(r) + 1e-9
+    assert over.rollout_s(12) > true.rollout_s(12)  # strictly: the over-stated floor does not shrink
+
+
 def test_online_model_predicts_the_next_steps_training_from_its_known_tokens():
     """Device-seconds per token are learned from the trained batches; the next step's demand is
     that rate x the tokens of the batch it trains, with no training noise in its step time."""

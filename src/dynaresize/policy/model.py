@@ -5,9 +5,10 @@
     step:     T(R)       = max(T_roll(R), T_train(N - R)) + sync
               (serial pipeline, staleness 0: T_roll(R) + T_train(N - R) + sync)
 
-F is the part of the rollout stage that no number of devices removes: the step's longest
-response decoded alone (`StepReport.rollout_floor_s`). Where a runtime does not report it,
-F falls back to half the longest request's duration (a stated prior, not a measurement).
+F is the part of the rollout stage that no number of devices removes (`StepReport.rollout_floor_s`):
+the step's longest response decoded alone in the simulator and emulated runs; on the unpaced
+runtime the longest engine call, an upper bound (docs/policies.md). Where a report has 0, F
+falls back to half the longest request's duration (a stated prior, not a measurement).
 The scalable part K = (T_roll - F) * R**beta: the time other requests add to the slowest
 replica's decode steps, which shrinks as they spread over more replicas.
 
