@@ -89,6 +89,9 @@ class CommActor:
     def stats(self) -> dict:
         return self.pool.stats()
 
+    def retain(self, keep: list) -> list:
+        return [list(k) for k in self.pool.retain(keep)]
+
     def group_view(self, ranks: tuple[int, ...], tag: str = "") -> dict:
         group = self.pool.get(ranks, tag=tag)
         if group is None:

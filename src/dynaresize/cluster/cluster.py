@@ -225,13 +225,24 @@ class Cluster(StagesMixin):
 
     def _prewarm(self, a: Assignment) -> list[Any]:
         """Queue the creation of the neighbouring splits' groups on every worker (not waited
-        for). Sets every worker already holds are left out, so once they are all made no call
-        is queued at all (a call behind a busy engine would hold every other device at it)."""
-        sets = [s for s in self._neighbour_sets(a) if (tuple(s), "") not in self._known_sets]
+        for), and the destruction of every group outside split `a`'s, its neighbours' and the
+        background one (`CommPool.retain`: the pool stays bounded however many moves a run
+        makes; every use of a destroyed group was queued earlier). Sets every worker already
+        holds are left out, so once they are all made and none is stale no call is queued at
+        all (a call behind a busy engine would hold every other device at it)."""
+        neighbours = self._neighbour_sets(a)
+        keep = {(tuple(range(self.num_devices)), BACKGROUND_TAG)}
+        keep |= {(tuple(s), "") for s in (*self._split_sets(a), *neighbours)}
+        sets = [s for s in neighbours if (tuple(s), "") not in self._known_sets]
+        stale = sorted(self._known_sets - keep)
         self._prewarm_sets = list(sets)
-        if not sets:
+        if not sets and not stale:
             return []
-        return [w.prewarm_groups.remote(sets) for w in self.workers]
+        for rs, tag in stale:
+            self.on_event("comm", {"event": "group_destroy", "ranks": list(rs), "critical": False, "tag": tag})
+        self._known_sets -= set(stale)
+        keep_arg = [(tag, list(rs)) for rs, tag in sorted(keep)]
+        return [w.prewarm_groups.remote(sets, keep_arg) for w in self.workers]
 
     def forget_groups(self) -> None:
         """The world is new (a naive restart, a recovery): no worker holds any group yet, and

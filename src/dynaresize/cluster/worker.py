@@ -131,9 +131,13 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         flags = [self.pool.create(rs, critical=critical, tag=tag) for rs in rank_sets]
         return {"created": sum(flags), "flags": flags, "t0": t0, "t1": time.time()}
 
-    def prewarm_groups(self, rank_sets: Sequence[Sequence[int]]) -> dict:
-        """`create_groups` off the critical path: queued right after a resize (module docstring)."""
-        return self.create_groups(rank_sets, critical=False)
+    def prewarm_groups(self, rank_sets: Sequence[Sequence[int]], keep: Sequence | None = None) -> dict:
+        """`create_groups` off the critical path: queued right after a resize (module docstring);
+        then every group outside `keep` ((tag, ranks) pairs) is destroyed (`CommPool.retain`)."""
+        out = self.create_groups(rank_sets, critical=False)
+        if keep is not None:
+            out["destroyed"] = [[tag, list(rs)] for tag, rs in self.pool.retain(keep)]
+        return out
 
     def comm_stats(self) -> dict:
         return self.pool.stats() if self.pool is not None else {"world_inits": rendezvous.world_inits()}

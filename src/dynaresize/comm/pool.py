@@ -21,6 +21,9 @@ device comes from one thread) and the pool refuses creation from any other; with
 a second thread creating the same set while the first is still in `new_group` is refused.
 
 Other invariants:
+- Bounded: `retain(keep)` destroys every group outside `keep` (the driver passes the groups of
+  the current split, of the splits it pre-warms and the background group), so the number held
+  does not grow with the number of moves; `stats()["num_groups_max"]` is the most held at once.
 - Every group gets the pool's explicit timeout.
 - Keys are `(tag, sorted ranks)`. A tag gives a second, independent group over the same
   ranks, e.g. a "background" group on which optimizer state moves in a thread while the main
@@ -67,6 +70,8 @@ class CommPool:
         self._num_created_critical = 0
         self._num_created_background = 0
         self._num_cache_hits = 0
+        self._num_destroyed = 0
+        self._num_groups_max = 0
         self._create_s_total = 0.0
         self._create_s_max = 0.0
 
@@ -112,6 +117,7 @@ class CommPool:
         with self._lock:
             # Non-members get a sentinel, not a group: store None so `get` answers plainly.
             self._groups[key] = group if member else None
+            self._num_groups_max = max(self._num_groups_max, len(self._groups))
             self._create_s_total += elapsed
             self._create_s_max = max(self._create_s_max, elapsed)
             if critical:
@@ -141,6 +147,27 @@ class CommPool:
         with self._lock:
             return _key(ranks, tag) in self._groups
 
+    def retain(self, keep: Iterable[tuple[str, Iterable[int]]]) -> list[tuple[str, RankSet]]:
+        """Destroy every cached group whose (tag, ranks) is not in `keep`; the keys destroyed,
+        in a fixed order. Like `create`, called by every worker with the same `keep` at the
+        same point of the driver's order (cluster/cluster.py `_prewarm`), so the cache holds
+        the same keys everywhere; destroying is local (no collective), and a set destroyed
+        here is created again by a later `create` of it. A communicator holds device memory
+        (NCCL: buffers per peer) for as long as it lives, so a device keeps only those of the
+        split it runs and of the splits it may move to next: bounded, however many moves."""
+        if self._issuer is not None and threading.get_ident() != self._issuer:
+            raise RuntimeError(f"CommPool.retain from thread {threading.current_thread().name!r}, not the device's "
+                               "issuing thread (cluster/worker.py)")
+        wanted = {_key(ranks, tag) for tag, ranks in keep}
+        with self._lock:
+            gone = sorted(k for k in self._groups if k not in wanted)
+            groups = [self._groups.pop(k) for k in gone]
+            self._num_destroyed += len(gone)
+        for group in groups:  # never under the lock (as `create`)
+            if group is not None:
+                dist.destroy_process_group(group)
+        return gone
+
     def clear(self) -> None:
         """Forget every group (after `rendezvous.destroy_world()`, which destroyed them).
 
@@ -159,6 +186,8 @@ class CommPool:
                 "cache_hits": self._num_cache_hits,
                 "world_inits": rendezvous.world_inits(),
                 "num_groups": len(self._groups),
+                "num_groups_max": self._num_groups_max,
+                "groups_destroyed": self._num_destroyed,
                 "create_s_total": self._create_s_total,
                 "create_s_max": self._create_s_max,
             }
