@@ -33,3 +33,21 @@ def release_device_memory(device: torch.device) -> None:
     torch.cuda.synchronize(device)
     torch._C._cuda_clearCublasWorkspaces()  # not done by empty_cache; see the module docstring
     torch.cuda.empty_cache()
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes free on `device` as the driver sees them (CUDA `mem_get_info`: other processes'
+    use counted), None where there is no such figure (the CPU)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def wake_problem(need_bytes: int, free_bytes: int | None, what: str) -> str | None:
+    """One line saying why `what` cannot wake into the free memory, or None when it fits (or
+    nothing is known)."""
+    if free_bytes is None or need_bytes <= 0 or free_bytes >= need_bytes:
+        return None
+    gib = 1 << 30
+    return (f"{what} cannot wake: it needs {need_bytes / gib:.2f} GiB back and the device has "
+            f"{free_bytes / gib:.2f} GiB free (another process or a role not yet released holds the rest)")

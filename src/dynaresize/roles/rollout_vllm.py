@@ -53,6 +53,7 @@ from dynaresize.config import ModelConfig
 from dynaresize.errors import UserError
 from dynaresize.rl.models import build_tokenizer, hf_config, max_positions
 from dynaresize.roles.base import GenRequest, GenResult, TPPlacement, run_to_completion, target_len, vllm_model_problem
+from dynaresize.roles.device_memory import free_device_bytes, release_device_memory, wake_problem
 from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request
@@ -121,6 +122,7 @@ class VLLMRolloutEngine:
         self._tied = False
         self._eos_ids: set[int] = set()
         self._parked, self._request_ids = False, itertools.count()
+        self._park_bytes = 0  # what `park` freed on the device: what waking needs back
         # ours -> (request, start, vLLM's id, tokens so far, their log-probs)
         self._running: dict[str, tuple[GenRequest, float, str, list[int], list[float]]] = {}
         self._rid: dict[str, str] = {}  # an id vLLM's outputs may carry (ours or its own) -> ours
@@ -243,13 +245,25 @@ class VLLMRolloutEngine:
         freed; False on CPU, where sleep is a no-op: call `release` to free memory there."""
         if self._llm is None or self._parked or not self._sleep_mode():
             return False
+        device = torch.device("cuda", torch.cuda.current_device())
+        before = free_device_bytes(device)
         self._llm.sleep(level=1)
+        after = free_device_bytes(device)
+        self._park_bytes = max(0, after - before) if before is not None and after is not None else 0
         self._parked = True
         return True
 
     def unpark(self) -> None:
-        """Undo `park` (wake the engine); a no-op if it is not parked."""
+        """Undo `park` (wake the engine); a no-op if it is not parked. The device's memory is
+        collected and checked first: waking re-maps exactly the bytes sleep gave back, and
+        where they are not free a `RuntimeError` says so in one line (vLLM would fail inside
+        its allocator); the engine stays parked."""
         if self._llm is not None and self._parked:
+            device = torch.device("cuda", torch.cuda.current_device()) if self._sleep_mode() else torch.device("cpu")
+            release_device_memory(device)
+            problem = wake_problem(self._park_bytes, free_device_bytes(device), f"the parked vLLM engine on {device}")
+            if problem:
+                raise RuntimeError(problem)
             self._llm.wake_up()
             self._llm.reset_prefix_cache()
             self._parked = False
