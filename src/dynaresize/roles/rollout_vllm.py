@@ -159,7 +159,9 @@ class VLLMRolloutEngine:
             # vLLM runs full garbage collections while it starts (~0.6 s each over a worker's
             # heap, measured: 2-3 s per start); with the existing heap frozen they only walk
             # the engine's own objects. Unfrozen afterwards (vLLM freezes too): nothing stays
-            # uncollectable.
+            # uncollectable. What a role leaving this device left in reference cycles was
+            # collected before (roles/device_memory.py: every release collects first); frozen
+            # here it would hold its memory through vLLM's free-memory check.
             gc.freeze()
             try:
                 with vllm_world(self.tp and tp_name_base(self.tp.master_port)) as world, tp_creation(self.tp):
