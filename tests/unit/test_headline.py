@@ -65,7 +65,7 @@ def test_a_prediction_out_of_range_is_refused(bad):
 def test_the_closing_summary_carries_the_headline_rows_in_order():
     text = closing_summary(SUMMARY, "runs/demo", prediction=PRED, best_static=(3, 1.55))
     lines = text.splitlines()
-    expected = [f"{f:<18}{v}  ({u})" for f, v, u in headline_rows(SUMMARY, PRED)]
+    expected = [f"{f:<18}{v}  {u}" for f, v, u in headline_rows(SUMMARY, PRED)]
     start = lines.index(expected[0])
     assert lines[start:start + len(expected)] == expected
     assert lines[0] == "run directory     runs/demo"
@@ -80,4 +80,4 @@ def test_an_unpaced_runs_closing_summary_says_why_there_is_no_prediction():
     cfg = build_config({"cluster": {"devices": 4, "rollout_devices": 2}})
     assert cfg.cluster.emulate is None
     text = run_closing_summary(cfg, {**SUMMARY, "emulate": None}, "runs/x")
-    assert f"gain over static  n/a  ({NO_PREDICTION_UNPACED})" in text and "vs prediction" not in text
+    assert f"gain over static  n/a  {NO_PREDICTION_UNPACED}" in text and "vs prediction" not in text

@@ -37,11 +37,11 @@ def closing_summary(s: dict, out: str, *, prediction: Prediction | None = None, 
     split in hindsight when given, then the run's engines, communicators, overhead and faults."""
     lines = [f"run directory     {out}",
              f"steps x devices   {s['steps']} x {s['devices']}  (final split {s['rollout_devices_final']} rollout)"]
-    lines += [f"{name:<18}{value}  ({unit})" for name, value, unit in
+    lines += [f"{name:<18}{value}  {unit}" for name, value, unit in
               headline_rows(s, prediction, no_prediction=no_prediction)]
     if best_static is not None:
-        lines.append(f"best static       {best_static[1]:.3f}  (samples per emulated s: the simulator's best fixed "
-                     f"split in hindsight, {best_static[0]} rollout)")
+        lines.append(f"best static       {best_static[1]:.3f}  samples per emulated s: the simulator's best fixed "
+                     f"split in hindsight ({best_static[0]} rollout)")
     lines += [
         f"engines           rollout {s.get('rollout_engine', '?')}"
         + (f" (auto: {s['rollout_engine_why']})" if s.get("rollout_engine_why") else "")
