@@ -225,3 +225,29 @@ def test_tensorboard_without_a_reader_names_the_extra(jobs, capsys, monkeypatch)
     _one_line_exit_2(capsys, ["advise", "--from", str(paths["tensorboard"]), "--devices", "32", "--rollout-devices",
                               "22", "--prompts-per-step", "4", "--samples-per-prompt", "4"],
                      "pip install 'dynaresize[tensorboard]'")
+
+
+def test_trl_and_openrlhf_length_names():
+    steps, found = steps_from_rows([{"step": 1, "completions/mean_length": 212.7, "completions/max_length": 441.5,
+                                     "completions/clipped_ratio": 0.1, "timing_s/gen": 9.0},
+                                    {"step": 2, "train/response_length": 300.0}], "x")
+    assert (steps[0].len_mean, steps[0].len_max, steps[0].clip_ratio) == (212.7, 441.5, 0.1)
+    assert steps[1].len_mean == 300.0
+    assert found["len_mean"] == "completions/mean_length" and found["clip_ratio"] == "completions/clipped_ratio"
+
+
+def test_length_trace_replaces_the_rebuilt_lengths(jobs, answers, tmp_path):
+    from dynaresize.workload.trace import write_trace
+
+    g, paths = jobs["longtail-drift"]
+    trace = tmp_path / "lengths.jsonl"
+    write_trace(trace, g.batches)
+    doc = _advise(paths["verl-log"], g, "--length-trace", str(trace))
+    assert doc["lengths"]["source"] == f"the length trace {trace}"
+    assert doc["calibration"]["rollout_error"] < 0.10 and doc["gain_vs_logged"] > 1.05
+    rebuilt = answers[("longtail-drift", "verl-log")]["calibration"]
+    assert doc["calibration"]["rollout_error"] != rebuilt["rollout_error"]  # fitted on other batches
+    short = tmp_path / "short.jsonl"
+    write_trace(short, g.batches[:5])
+    assert cli(["advise", "--from", str(paths["verl-log"]), "--devices", "32", "--rollout-devices",
+                str(g.rollout_devices), "--length-trace", str(short)]) == 2

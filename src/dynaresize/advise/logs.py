@@ -6,14 +6,16 @@ verl console log into such rows: every line carrying `step:N` and `key:value` pa
 by ` - ` (Ray's `(TaskRunner pid=...)` prefix and any other text before `step:` allowed).
 
 What each logged key feeds (`KEYS`, docs/advise.md):
-- rollout stage: verl `timing_s/gen`; OpenRLHF `timing/generate`; dynaresize `rollout_s`;
+- rollout stage: verl `timing_s/gen`; dynaresize `rollout_s`;
 - training stage: the sum of verl's `timing_s/old_log_prob`, `timing_s/ref`, `timing_s/values`,
-  `timing_s/adv`, `timing_s/reward`, `timing_s/update_critic`, `timing_s/update_actor` (OpenRLHF
-  `timing/train`; dynaresize `train_s`);
+  `timing_s/adv`, `timing_s/reward`, `timing_s/update_critic`, `timing_s/update_actor` (dynaresize
+  `train_s`);
 - weight sync: `timing_s/update_weights` or `timing_s/sync_rollout_weights` (dynaresize `sync_s`);
 - step: `timing_s/step` (dynaresize: `t_end_s - t_start_s`);
 - lengths: `response_length/mean|max|clip_ratio`, `prompt_length/mean` (TRL's
-  `completions/mean_length|max_length|clipped_ratio`; dynaresize `response_len_mean|max`);
+  `completions/mean_length|max_length|clipped_ratio`; OpenRLHF's W&B `train/response_length`, a
+  mean; dynaresize `response_len_mean|max`). No stage-time names of TRL or OpenRLHF are known
+  here: their logs need the stage times added under verl's (docs/advise.md);
 - `global_seqlen/mean` is read and reported, not fitted (verl's tokens per data-parallel rank).
 
 Pure: strings and dicts in, values out (the command reads the files).
@@ -29,10 +31,10 @@ from dynaresize.errors import UserError
 
 # our name -> the logged names it is read from (first found wins, except `train_parts`, summed)
 KEYS: dict[str, tuple[str, ...]] = {
-    "rollout_s": ("timing_s/gen", "timing/generate", "rollout_s"),
+    "rollout_s": ("timing_s/gen", "rollout_s"),
     "sync_s": ("timing_s/update_weights", "timing_s/sync_rollout_weights", "sync_s"),
     "step_s": ("timing_s/step", "step_s"),
-    "len_mean": ("response_length/mean", "completions/mean_length", "response_len_mean"),
+    "len_mean": ("response_length/mean", "completions/mean_length", "train/response_length", "response_len_mean"),
     "len_max": ("response_length/max", "completions/max_length", "response_len_max"),
     "clip_ratio": ("response_length/clip_ratio", "completions/clipped_ratio"),
     "prompt_mean": ("prompt_length/mean",),
@@ -40,7 +42,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "rest_s": ("rest_s",),  # a dynaresize run directory's own (commands.advise_read)
 }
 TRAIN_PARTS = ("timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv", "timing_s/reward",
-               "timing_s/update_critic", "timing_s/update_actor", "timing/train", "train_s")
+               "timing_s/update_critic", "timing_s/update_actor", "train_s")
 
 _STEP = re.compile(r"(?:^|[\s\-|])step:\s*(\d+)")
 _PAIR = re.compile(r"([A-Za-z_][\w./@\-]*):\s*(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf|-inf)(?=\s|$|,)")
