@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_vllm.sh
 	scripts/install_vllm.sh $(PY)
 	touch $(STAMP)
 
-# Headless Chromium for the test that opens `dynaresize report`'s page (tests/e2e/test_report_browser.py).
-# Installed from Debian where it is missing and we are root; elsewhere that test skips, saying why.
+# Headless Chromium for the tests that open `dynaresize report`'s page (tests/e2e/test_report.py).
+# Installed from Debian where it is missing and we are root; elsewhere those tests skip, saying why.
 browser:
 	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; } || \
