@@ -208,6 +208,8 @@ def test_missing_job_facts_and_refused_pipelines(jobs, capsys):
                               str(g.rollout_devices), "--staleness", "2"], "staleness=2")
     _one_line_exit_2(capsys, ["advise", "--from", str(paths["verl-log"]), "--devices", "32", "--rollout-devices",
                               "40"], "rollout-devices=40")
+    _one_line_exit_2(capsys, ["advise", "--from", str(paths["verl-log"]), "--devices", "32", "--rollout-devices",
+                              str(g.rollout_devices), "--switch-s", "-1"], "switch-s=-1")
 
 
 def test_tensorboard_without_a_reader_names_the_extra(jobs, capsys, monkeypatch):

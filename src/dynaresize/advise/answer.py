@@ -7,7 +7,7 @@ stage models, through the simulator's own sweeps and engine.
 - every static split: the table's static totals; the best one in hindsight;
 - hysteresis: the product's policy run through the engine and controller (`sim.engine`) from
   the logged split (a colocated log: from the pilot split), paying the resize cost model's
-  critical path for each move, or `switch_s` when given;
+  critical path for each move, or `Job.switch_s` when given (`with_switch_cost`);
 - the oracle: the offline-optimal schedule (`sim.oracle.oracle_plan`), same costs.
 
 Gains are against the reproduced logged split (same model on both sides, each total with the
@@ -52,8 +52,11 @@ class Job:
     hardware: Hardware
     bounds: Bounds
     staleness: int = 1  # 0: serial pipeline, 1: one-step-off
+    switch_s: float | None = None  # a move's critical time each way (None: the resize cost model's)
 
     def __post_init__(self) -> None:
+        if self.switch_s is not None and not (math.isfinite(self.switch_s) and self.switch_s >= 0):
+            raise ConfigError([f"switch-s={self.switch_s}: must be a finite number of seconds >= 0"])
         if self.staleness not in (0, 1):
             raise ConfigError([f"staleness={self.staleness}: advise models the serial (0) and one-step-off (1) "
                                "pipelines; the streaming pipeline (>= 2) is not built into advise yet"])
@@ -84,11 +87,12 @@ def with_switch_cost(model: ModelPreset, hw: Hardware, num_devices: int, rollout
                      switch_s: float) -> ModelPreset:
     """The preset whose one-unit move from `rollout` costs `switch_s` on the critical path each
     way: the difference goes to the engine wake (train -> rollout) and release (rollout -> train)
-    ops, the ones a cold engine or a slow framework makes long."""
-    if switch_s < 0 or not math.isfinite(switch_s):
-        raise ConfigError([f"switch-s={switch_s}: must be a finite number of seconds >= 0"])
-    up = canonical_timing(model, num_devices, rollout, rollout + unit, hw).critical_s
-    down = canonical_timing(model, num_devices, rollout, rollout - unit, hw).critical_s
+    ops, the ones a cold engine or a slow framework makes long. A direction the bounds leave no
+    room for at `rollout` is timed from the next split over."""
+    up_from = rollout if rollout + unit < num_devices else rollout - unit
+    down_from = rollout if rollout - unit >= 1 else rollout + unit
+    up = canonical_timing(model, num_devices, up_from, up_from + unit, hw).critical_s
+    down = canonical_timing(model, num_devices, down_from, down_from - unit, hw).critical_s
     return replace(model, engine_wake_s=max(model.engine_wake_s + switch_s - up, 0.0),
                    engine_release_s=max(model.engine_release_s + switch_s - down, 0.0))
 
@@ -104,6 +108,11 @@ def advise(job: Job, cfg: PolicyConfig = PolicyConfig(), *, colocated_step_s: li
     stages = scenario.stages()
     bounds = job.bounds
     start = pilot_split(stages, bounds, K, cfg.profile_steps, serial=serial) if job.colocated else R
+    if job.switch_s is not None:  # the moves' cost set at the split they start from
+        model = with_switch_cost(job.model, job.hardware, N, start, bounds.move_unit, job.switch_s)
+        job = replace(job, model=model)
+        scenario = replace(scenario, model=model)
+        stages = scenario.stages()
     splits = grid(bounds, include=(start,))
     table = build_table(stages, splits, N, K, serial=serial)
     totals = table.static_total()

@@ -3,8 +3,10 @@ given ones), the fitted stage models, and the notes a user should read about wha
 
 A step is simulated when it has a mean response length (and exact lengths where they are given);
 each stage's fit reads those of them that logged that stage's time (a dynaresize run's first
-batch rolls out before its first step record: its rollout is simulated, not fitted). The per-step rest (`Calibration.other_s`) is the logged step time minus the stages (one-step-off:
-the slower one; colocated: both), else the logged weight sync, else 0 (said in a note).
+batch rolls out before its first step record: its rollout is simulated, not fitted). The
+per-step rest (`Calibration.other_s`) is the logged step time minus the stages (one-step-off:
+the slower one; colocated: both; or the source's own `rest_s`), else the logged weight sync,
+else 0 (said in a note).
 
 Pure: no I/O, no clock.
 """
@@ -115,5 +117,5 @@ def prepare(run: LoggedRun, *, num_devices: int, rollout_devices: int, samples_p
              "max_first": float(np.mean([b.response_tokens.max() for b in batches[:q]])),
              "max_last": float(np.mean([b.response_tokens.max() for b in batches[-q:]]))}
     return Prepared(steps=steps, rollout_steps=tuple(steps[i] for i in fit),
-                    train_steps=tuple(steps[i] for i in fit_train), batches=batches, calibration=cal, notes=tuple(notes), logged_samples_per_s=logged,
-                    colocated_step_s=colocated_step, drift=drift)
+                    train_steps=tuple(steps[i] for i in fit_train), batches=batches, calibration=cal,
+                    notes=tuple(notes), logged_samples_per_s=logged, colocated_step_s=colocated_step, drift=drift)

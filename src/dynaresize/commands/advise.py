@@ -61,7 +61,7 @@ def _need(value, flag: str, why: str):
 
 
 def main(args: argparse.Namespace) -> int:
-    from dynaresize.advise.answer import Job, advise, with_switch_cost
+    from dynaresize.advise.answer import Job, advise
     from dynaresize.advise.job import prepare
     from dynaresize.advise.logs import missing
     from dynaresize.commands.advise_read import emulated_presets, read
@@ -76,6 +76,10 @@ def main(args: argparse.Namespace) -> int:
     if lacking:
         found = ", ".join(f"{v}" for v in run.found.values()) or "none of the known keys"
         raise UserError(f"{run.source}: cannot advise: no key for {'; '.join(lacking)} (found: {found})")
+    for flag, given, own in (("devices", args.devices, run.num_devices), ("rollout-devices", args.rollout_devices,
+                                                                         run.rollout_devices)):
+        if given is not None and own is not None and given != own:
+            raise ConfigError([f"{flag}={given}: the run directory ran with {own}"])
     N = _need(args.devices or run.num_devices, "--devices", "the log does not say how many devices the job ran on")
     R = _need(args.rollout_devices or run.rollout_devices, "--rollout-devices",
               "the log does not say how many of them ran the rollout (R = N for a colocated run)")
@@ -108,11 +112,8 @@ def main(args: argparse.Namespace) -> int:
                         move_unit=policy.get("move_unit", 1))
     else:
         bounds = Scenario(name=run.source, num_devices=N, num_steps=1, model=cal_model, hardware=hw).bounds()
-    if args.switch_s is not None:
-        cal_model = with_switch_cost(cal_model, hw, N, R if R < N else max(bounds.splits()) // 2 or 1,
-                                     bounds.move_unit, args.switch_s)
     job = Job(name=run.source, batches=prep.batches, num_devices=N, rollout_devices=R, model=cal_model, hardware=hw,
-              bounds=bounds, staleness=args.staleness)
+              bounds=bounds, staleness=args.staleness, switch_s=args.switch_s)
     ans = advise(job, PolicyConfig(), colocated_step_s=list(prep.colocated_step_s or []) or None)
     doc = _document(run, prep, ans, N, R, samples, model.name, hw.name)
     doc["lengths"]["source"] = ("the length trace " + args.length_trace if args.length_trace else
