@@ -189,7 +189,7 @@ def verdict(out: dict, logged_rollout: int, colocated: bool) -> str:
     here = "the colocated run" if colocated else f"the logged split ({logged_rollout} rollout devices)"
     if max(g, gs) < PAYS:
         return (f"no split change pays on this job: against {here}, the best fixed split gives {_pct(gs)}, "
-                f"hysteresis {_pct(g)} ({h['moves']} moves), the oracle {_pct(go)}")
+                f"hysteresis {_pct(g)} ({_moves(h['moves'])}), the oracle {_pct(go)}")
     if out["gain_vs_best_static"] < PAYS or not h["moves"]:
         return (f"a fixed split of {best['rollout']} rollout devices pays {_pct(gs)} over {here}; moving devices "
                 f"during the run adds {_pct(out['gain_vs_best_static'])} over that split (oracle {_pct(go)})")
@@ -199,7 +199,11 @@ def verdict(out: dict, logged_rollout: int, colocated: bool) -> str:
     pay = f", each move paid back within ~{h['payback_steps']} steps" if h.get("payback_steps") else ""
     return (f"moving {way} after step ~{first['after_step']} pays {_pct(g)} over {here} "
             f"({_pct(out['gain_vs_best_static'])} over the best fixed split in hindsight, {best['rollout']} rollout "
-            f"devices); {h['moves']} moves{pay}; the oracle {_pct(go)}")
+            f"devices); {_moves(h['moves'])}{pay}; the oracle {_pct(go)}")
+
+
+def _moves(n: int) -> str:
+    return f"{n} move" + ("" if n == 1 else "s")
 
 
 def _pct(gain: float) -> str:

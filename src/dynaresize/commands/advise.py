@@ -186,7 +186,7 @@ def format_report(doc: dict) -> str:
                  f"{s['rollout']}: {s['samples_per_s']:.2f}" for s in doc["static"]),
              f"best static: {doc['best_static']['rollout']} rollout devices, {doc['best_static']['samples_per_s']:.2f} "
              f"samples/s; hysteresis: {doc['hysteresis']['samples_per_s']:.2f} samples/s, {doc['hysteresis']['moves']} "
-             f"moves; oracle: {doc['oracle']['samples_per_s']:.2f} samples/s",
+             f"move(s); oracle: {doc['oracle']['samples_per_s']:.2f} samples/s",
              f"gain vs logged split: {_f(doc['gain_vs_logged'], '.3f')}x, vs best static: "
              f"{_f(doc['gain_vs_best_static'], '.3f')}x; a move costs "
              + ", ".join(f"{k.replace('_', ' ')} {_f(v)} s" for k, v in doc["switch_cost_s"].items())]
