@@ -99,6 +99,11 @@ def main(args: argparse.Namespace) -> int:
     else:
         if args.prompts_per_step is not None and args.prompts_per_step < 1:
             raise ConfigError([f"prompts-per-step={args.prompts_per_step}: must be >= 1"])
+        from dynaresize.workload.lengths import WORKLOADS
+
+        if WORKLOADS[args.workload].filter_share_end and args.staleness >= 2:
+            raise ConfigError([f"staleness={args.staleness}: the {args.workload} workload's dynamic sampling is "
+                               "modelled for the one-step-off pipeline only (--staleness 0 or 1)"])
         scenario = workload_scenario(args.workload, num_devices=args.devices, num_steps=args.steps or 300,
                                      model=args.model, seed=args.seed, horizon_steps=args.horizon_steps,
                                      prompts_per_step=args.prompts_per_step, accelerator=args.accelerator)

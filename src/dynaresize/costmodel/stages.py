@@ -15,6 +15,11 @@ that finished early are tail idle until the last replica ends.
 
 Training: compute device-seconds / n + a fixed exposed time (`costs.train_device_s`).
 
+Dynamic sampling (a batch with `gen_batch` and `trained`, workload.batch_for_step): the step's
+generation batches roll out one after another (each is scored before the next is sent), so its
+rollout time, work and tail idle are the sums over its batches; training counts the trained
+samples (the kept groups) only.
+
 Vectorised numpy, cached per (batch, split). Pure: no I/O, no clock.
 """
 
@@ -76,6 +81,15 @@ class _BatchData:
         self.floor_s = float(self.L[i] * c.t_weights + self.work[i]) if L.size else 0.0
         self.work_cum = np.concatenate([[0.0], np.cumsum(self.work)])
         seq = P + L
+        if batch.trained is not None:  # dynamic sampling: the filtered groups are not trained
+            seq = np.where(batch.trained, seq, 0.0)
+        self.parts = None  # dynamic sampling: one _BatchData per generation batch, in order
+        if batch.num_gen_batches > 1:
+            g = batch.gen_batch
+            self.parts = [_BatchData(Batch(batch.response_tokens[g == i], batch.prompt_tokens[g == i],
+                                           None if batch.wait_s is None else batch.wait_s[g == i]), c)
+                          for i in range(batch.num_gen_batches)]
+            self.floor_s = sum(p.floor_s for p in self.parts)
         self.seq_sum = float(seq.sum())
         self.seq_sq_sum = float((seq * seq).sum())
         self.seq_cum = np.concatenate([[0.0], np.cumsum(seq)])
@@ -123,6 +137,16 @@ class StageModel:
         """Per-replica finish times, per-replica decode steps (s of weight reads: the part no
         other replica can take over), and the index of the replica with the longest request."""
         d = self.data(b)
+        if d.parts is not None:  # generation batches one after another: each starts when the last ends
+            out, start = None, 0.0
+            for part in d.parts:
+                times, serial, longest = self._replica_detail(part, num_rollout)
+                out = (times + start, serial, longest)
+                start += float(times.max())
+            return out
+        return self._replica_detail(d, num_rollout)
+
+    def _replica_detail(self, d: "_BatchData", num_rollout: int) -> tuple[np.ndarray, np.ndarray, int]:
         n_rep = max(1, num_rollout // self.tp)
         n = d.L.size
         n_per = -(-n // n_rep)
@@ -296,6 +320,11 @@ class StageModel:
         hit = self._rollout.get(key)
         if hit is not None:
             return hit
+        d = self.data(b)
+        if d.parts is not None:
+            res = self._rollout_parts(d, num_rollout)
+            self._rollout[key] = res
+            return res
         times, longest_rep = self.replica_times(b, num_rollout)
         t = float(times.max())
         res = RolloutTime(
@@ -308,6 +337,21 @@ class StageModel:
         )
         self._rollout[key] = res
         return res
+
+    def _rollout_parts(self, d: "_BatchData", num_rollout: int) -> RolloutTime:
+        """The generation batches of a dynamic-sampling step, one after another: sums."""
+        time_s = work = tail = longest = 0.0
+        reps = 0
+        for part in d.parts:
+            times, _, longest_rep = self._replica_detail(part, num_rollout)
+            t = float(times.max())
+            time_s += t
+            work += float(times.sum()) * self.tp
+            tail += float((t - times).sum()) * self.tp + (num_rollout % self.tp) * t
+            longest += float(times[longest_rep])
+            reps = int(times.size)
+        return RolloutTime(time_s=time_s, work_device_s=work, tail_idle_device_s=tail, longest_s=longest,
+                           floor_s=d.floor_s, num_replicas=reps)
 
     def train_device_s(self, b: int) -> float:
         v = self._train_dev_s.get(b)

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from dynaresize.errors import ConfigError, TraceError
-from dynaresize.workload.lengths import (WORKLOADS, WorkloadSpec, get_workload, multi_turn, sample_lengths,
-                                        sample_lengths_array)
+from dynaresize.workload.lengths import (WORKLOADS, WorkloadSpec, _key, _name_id, _uniform, get_workload, multi_turn,
+                                        sample_lengths, sample_lengths_array)
 from dynaresize.workload.trace import Batch, load_trace, load_trace_steps
 
 SAMPLES_PER_PROMPT = 16  # the simulator's GRPO group size (RollPacker's 8-16 samples per prompt)
@@ -86,6 +86,8 @@ def batch_for_step(workload: str, step: int, n: int, seed: int, *,
     simulator and the emulated runtime size their work from this one batch. A multi-turn
     workload's sample is a trajectory: its model tokens plus its observations' tokens, and its
     tool waits (`Batch.wait_s`, `lengths.multi_turn`)."""
+    if workload in WORKLOADS and named_spec(workload).filter_share(step) > 0:
+        return _filtered_batch(named_spec(workload, horizon_steps), step, n, seed, samples_per_prompt)
     lengths = np.asarray(lengths_for_step(workload, step, n, seed, samples_per_prompt=samples_per_prompt,
                                           horizon_steps=horizon_steps), dtype=np.int64)
     if workload in WORKLOADS:
@@ -99,6 +101,32 @@ def batch_for_step(workload: str, step: int, n: int, seed: int, *,
         by_step, _ = _trace_index(str(Path(workload).resolve()), st.st_size, st.st_mtime_ns)
         prompts = by_step[int(step)].prompt_tokens[:n].astype(np.int64)
     return Batch(lengths, prompts)
+
+
+def _filtered_batch(spec: WorkloadSpec, step: int, n: int, seed: int, samples_per_prompt: int) -> Batch:
+    """Step `step` under dynamic sampling: generation batches of `n` samples (their own lengths,
+    batch b seeded by (seed, b)), each prompt group filtered with the workload's share at that
+    step (a counter-based draw per (seed, step, batch, prompt)), until n // samples_per_prompt
+    groups are kept or `max_gen_batches` are generated; the first kept groups are trained."""
+    prompts = -(-n // samples_per_prompt)
+    share = spec.filter_share(step)
+    lengths, gen, trained = [], [], []
+    kept = 0
+    for b in range(spec.max_gen_batches):
+        seed_b = seed if b == 0 else _key(seed, 0x5EED, b) >> 1
+        arr = sample_lengths_array(spec, step, prompts, samples_per_prompt, spec.cap_tokens, seed_b)
+        out = _uniform(_key(seed, _name_id(spec.name), 0xF1, step, b), np.arange(prompts, dtype=np.uint64)) < share
+        for p in range(prompts):
+            take = not out[p] and kept < prompts
+            kept += int(take)
+            lengths.append(arr[p])
+            trained.append(np.full(samples_per_prompt, take))
+            gen.append(np.full(samples_per_prompt, b))
+        if kept >= prompts:
+            break
+    resp = np.concatenate(lengths).astype(np.int64)
+    return Batch(resp, np.full(resp.shape, spec.prompt_tokens, dtype=np.int64),
+                 gen_batch=np.concatenate(gen).astype(np.int64), trained=np.concatenate(trained))
 
 
 @lru_cache(maxsize=8)

@@ -35,10 +35,19 @@ class Batch:
     # Multi-turn: seconds each trajectory waits on its environment between turns, holding its
     # slot (float64, same shape); None: single-turn.
     wait_s: np.ndarray | None = None
+    # Dynamic sampling (a workload with a filtered share, `lengths.WorkloadSpec.filter_share`):
+    # the generation batch of each sample (int64, same shape; batches run one after another) and
+    # whether it is trained (bool: its group was kept). None: one batch, every sample trained.
+    gen_batch: np.ndarray | None = None
+    trained: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
         return int(self.response_tokens.shape[0])
+
+    @property
+    def num_gen_batches(self) -> int:
+        return 1 if self.gen_batch is None or not self.gen_batch.size else int(self.gen_batch.max()) + 1
 
 
 def _int_list(value, field: str, where: str) -> list[int]:
