@@ -253,3 +253,21 @@ def test_length_trace_replaces_the_rebuilt_lengths(jobs, answers, tmp_path):
     write_trace(short, g.batches[:5])
     assert cli(["advise", "--from", str(paths["verl-log"]), "--devices", "32", "--rollout-devices",
                 str(g.rollout_devices), "--length-trace", str(short)]) == 2
+
+
+def test_tensorboard_read_with_tensorboardx_alone(jobs, answers, monkeypatch):
+    """The `tensorboard` extra installs tensorboardX only: its protobufs read the event files."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_tensorboard(name, *a, **k):
+        if name == "tensorboard" or name.startswith("tensorboard."):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    g, paths = jobs["longtail-stationary"]
+    doc = _advise(paths["tensorboard"], g)
+    assert doc["steps_read"] == len(g.rows)
+    assert doc["gain_vs_logged"] == pytest.approx(answers[("longtail-stationary", "tensorboard")]["gain_vs_logged"])
