@@ -108,6 +108,7 @@ class RolloutConfig:
     dtype: str = "auto"  # engine weights and compute: auto (train.dtype; bf16 on CUDA unless deterministic) | fp32 | bf16
     partial: bool = False  # streaming: running requests go on under newer weights (partial rollout, docs/pipeline.md)
     tensor_parallel: int = 1  # devices per rollout replica (vllm: one TP rank per device worker; docs/rollout.md)
+    gen_prompts_per_step: int = 0  # algorithm.filter_groups: prompts per generation batch (verl gen_batch_size); 0: prompts_per_step
 
     RENAMED_FIELDS: typing.ClassVar[dict[str, str]] = {"backend": "engine"}  # old key -> new (refused)
 
@@ -121,6 +122,8 @@ class RolloutConfig:
                      "tensor_parallel"):
             err.need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         err.need(self.temperature > 0, "temperature", self.temperature, "must be > 0")
+        err.need(self.gen_prompts_per_step >= 0, "gen_prompts_per_step", self.gen_prompts_per_step,
+                 "must be >= 0 (0: prompts_per_step)")
         err.need(self.length_horizon_steps >= 0, "length_horizon_steps", self.length_horizon_steps, "must be >= 0")
         err.need(self.engine_release in ("teardown", "park"), "engine_release", self.engine_release,
                  "must be teardown or park")
@@ -205,13 +208,41 @@ ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_ba
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
-    """The RL algorithm's choices with verl's names (`algorithm.*`): the advantage estimator."""
+    """The RL algorithm's choices with verl's names (`algorithm.*`): the advantage estimator and
+    DAPO's dynamic sampling (verl's `algorithm.filter_groups.enable/metric/max_num_gen_batches`)."""
 
     adv_estimator: str = "grpo"  # grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline (rl/advantages.py)
+    filter_groups: bool = False  # dynamic sampling: drop groups whose filter_metric is constant, generate more
+    filter_metric: str = "reward"  # reward (shaped) | score (before overlong shaping) | a reward's own key (acc)
+    max_num_gen_batches: int = 10  # generation batches a step may take before the run stops; 0: no cap
 
     def check(self, err: "_Errors") -> None:
         err.need(self.adv_estimator in ADV_ESTIMATORS, "adv_estimator", self.adv_estimator,
                  f"must be one of {', '.join(ADV_ESTIMATORS)}")
+        err.need(bool(self.filter_metric.strip()), "filter_metric", self.filter_metric,
+                 "must name a metric: reward, score or a key the reward function returns")
+        err.need(self.max_num_gen_batches >= 0, "max_num_gen_batches", self.max_num_gen_batches,
+                 "must be >= 0 (0: no cap)")
+        if not self.filter_groups:
+            for name in ("filter_metric", "max_num_gen_batches"):
+                err.need(getattr(self, name) == getattr(AlgorithmConfig, name), name, getattr(self, name),
+                         "only used with algorithm.filter_groups=true")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """Reward shaping (`reward.*`): DAPO's soft overlong punishment (verl's
+    `reward_model.overlong_buffer.enable/len/penalty_factor`)."""
+
+    overlong_buffer_len: int = 0  # the last this-many tokens of max_new_tokens are penalised linearly; 0: off
+    overlong_penalty_factor: float = 1.0  # the penalty at max_new_tokens
+
+    def check(self, err: "_Errors") -> None:
+        err.need(self.overlong_buffer_len >= 0, "overlong_buffer_len", self.overlong_buffer_len, "must be >= 0 (0: off)")
+        f = self.overlong_penalty_factor
+        err.need(math.isfinite(f) and f >= 0, "overlong_penalty_factor", f, "must be >= 0")
+        err.need(self.overlong_buffer_len > 0 or f == RewardConfig.overlong_penalty_factor,
+                 "overlong_penalty_factor", f, "only used with reward.overlong_buffer_len > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,6 +358,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
@@ -355,6 +387,15 @@ class RunConfig:
                      f"only grpo divides by the group std (algorithm.adv_estimator={est}): leave it true")
             err.need(t.adv_std == TrainConfig.adv_std, "train.adv_std", t.adv_std,
                      f"only grpo divides by the group std (algorithm.adv_estimator={est}): leave it unset")
+        al, rc, ob = self.algorithm, self.rollout, self.reward.overlong_buffer_len
+        if al.filter_groups:
+            err.need(t.staleness <= 1, "algorithm.filter_groups", True,
+                     "needs train.staleness 0 or 1 (the streaming pipeline does not filter groups)")
+        else:
+            err.need(rc.gen_prompts_per_step == 0, "rollout.gen_prompts_per_step", rc.gen_prompts_per_step,
+                     "only used with algorithm.filter_groups=true")
+        err.need(ob <= rc.max_new_tokens, "reward.overlong_buffer_len", ob,
+                 f"must be <= rollout.max_new_tokens ({rc.max_new_tokens}): the buffer is the budget's last tokens")
         if t.lr_schedule != "constant":
             err.need(self.steps > t.warmup_steps, "train.warmup_steps", t.warmup_steps,
                      f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")

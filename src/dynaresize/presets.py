@@ -22,6 +22,9 @@ split and in deterministic mode. Tests build on `cpu`.
 `math` is a real math task, offline: grade-school arithmetic word problems in verl's parquet
 schema, graded by math-verify, on the tiny model, 3 CPU devices, with scripted resizes each way.
 
+`dapo` is the `math` job with DAPO's dynamic sampling, overlong shaping and clip-higher on
+(verl's DAPO recipe in this project's names: docs/training.md).
+
 `agent` is a multi-turn task: arithmetic with a calculator tool (`agent-calc`, rl/agent_task.py;
 the model must call the tool to score), up to 3 turns, on the tiny model, 3 CPU devices, with
 scripted resizes each way (`--set task.name=agent-guess` runs the pure-text guessing game).
@@ -117,6 +120,26 @@ def math() -> dict:
     }
 
 
+def dapo() -> dict:
+    """DAPO as verl users run it, on the `math` job: dynamic sampling (prompt groups whose shaped
+    reward is the same for every sample are filtered out and further generation batches of 4
+    prompts are generated until the step has its 4 groups; at most 8 batches), soft overlong
+    punishment over the last 24 of the 32 response tokens, clip-higher (0.2 / 0.28) and the
+    token-mean loss; scripted resizes each way (training gets a device before step 2, rollout
+    takes it back before step 4). Response lengths come from the `dapo-qwen3-8b` workload (scaled
+    to the 32-token budget): the tiny random model almost never ends before its budget, so with
+    natural lengths every response is 32 tokens, every shaped reward -1 and every group filtered
+    (the run stops at the cap). The overlong buffer is the budget's last 24 tokens, so a group
+    whose responses all end within 8 tokens (and are all wrong) is constant and filtered."""
+    cfg = math()
+    cfg["algorithm"] = {"filter_groups": True, "filter_metric": "reward", "max_num_gen_batches": 8}
+    cfg["rollout"] = {**cfg["rollout"], "gen_prompts_per_step": 4, "synthetic_lengths": True,
+                      "length_workload": "dapo-qwen3-8b"}
+    cfg["reward"] = {"overlong_buffer_len": 24, "overlong_penalty_factor": 1.0}
+    cfg["train"] = {**cfg["train"], "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean"}
+    return cfg
+
+
 def agent() -> dict:
     """A multi-turn task with a tool (see the module docstring): trajectories of up to 3 model
     turns of <= 24 tokens with calculator results in between, 320 tokens in all; training gets
@@ -141,6 +164,7 @@ PRESETS: dict[str, Callable[[], dict]] = {
     "deterministic": deterministic,
     "user": user,
     "math": math,
+    "dapo": dapo,
     "agent": agent,
 }
 

@@ -761,6 +761,19 @@ def _job(cfg: RunConfig) -> Any:
     return Job(cfg)
 
 
+FILTER_ON = {"algorithm": {"filter_groups": True}}
+OVERLONG = {"reward": {"overlong_buffer_len": 127}}  # the default budget is 128: penalised from 1 token
+
+
+def _dynamic_sampling(cfg: RunConfig) -> Any:
+    """Step 0 through the driver's dynamic sampling on fixed texts by prompt (tests/unit/_dapo_fake.py),
+    or `Job.score` as the run does with filtering off: the consumed ids, advantages, the ledger's
+    drops and the step's filter fields; or the error it stops with."""
+    from _dapo_fake import scored_with_filter
+
+    return scored_with_filter(cfg)
+
+
 # A multi-turn task small enough to run in a probe: one prompt group of the guessing game.
 AGENT = {"task": {"name": "agent-guess"},
          "rollout": {"synthetic_lengths": False, "max_new_tokens": 8, "prompts_per_step": 1, "max_prompt_tokens": 16}}
@@ -967,6 +980,28 @@ EVIDENCE: dict[str, tuple] = {
     "train.adv_std": (Probe("population", _scores), Refused("biased", "train.adv_std='biased'"),
                       Refused("population", "train.adv_std='population': only grpo divides by the group std",
                               base={"algorithm": {"adv_estimator": "rloo"}})),
+    "algorithm.filter_groups": (Probe(True, _dynamic_sampling),
+                                Refused(True, "algorithm.filter_groups=True: needs train.staleness 0 or 1",
+                                        base={"train": {"staleness": 2}}),
+                                Runtime("tests/e2e/test_dapo.py::test_dapo_preset_filters_groups_and_moves_each_way",
+                                        "the dapo preset's run has steps of 2+ generation batches, filtered samples "
+                                        "in the ledger, ledger ok, a move each way")),
+    "algorithm.filter_metric": (Probe("score", _dynamic_sampling, base=merge(FILTER_ON, OVERLONG)),
+                                Refused(" ", "algorithm.filter_metric=' ': must name a metric"),
+                                Refused("acc", "algorithm.filter_metric='acc': only used with")),
+    "algorithm.max_num_gen_batches": (Probe(2, _dynamic_sampling, base=FILTER_ON),
+                                      Refused(-1, "algorithm.max_num_gen_batches=-1"),
+                                      Refused(3, "algorithm.max_num_gen_batches=3: only used with")),
+    "rollout.gen_prompts_per_step": (Probe(3, _requests, base=FILTER_ON), Probe(3, _dynamic_sampling, base=FILTER_ON),
+                                     Refused(3, "rollout.gen_prompts_per_step=3: only used with"),
+                                     Refused(-1, "rollout.gen_prompts_per_step=-1")),
+    "reward.overlong_buffer_len": (Probe(127, _scores), Probe(127, _dynamic_sampling, base=FILTER_ON),
+                                   Refused(200, "reward.overlong_buffer_len=200: must be <= rollout.max_new_tokens"),
+                                   Refused(8, "reward.overlong_buffer_len=8: not with a multi-turn task", via=_job,
+                                           base=AGENT)),
+    "reward.overlong_penalty_factor": (Probe(0.5, _scores, base=OVERLONG),
+                                       Refused(2.0, "reward.overlong_penalty_factor=2.0: only used with"),
+                                       Refused(-1.0, "reward.overlong_penalty_factor=-1.0")),
     "algorithm.adv_estimator": (Probe("rloo", _scores), Probe("reinforce_plus_plus", _scores),
                                 Probe("reinforce_plus_plus_baseline", _scores),
                                 Refused("gae", "algorithm.adv_estimator='gae': must be one of")),

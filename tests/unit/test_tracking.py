@@ -32,7 +32,7 @@ def _step(k: int, **over) -> dict:
     rec = {"kind": "step", "step": k, "t_start_s": 10.0 * k, "t_end_s": 10.0 * k + 4.0, "rollout_s": 2.5,
            "train_s": 3.0, "sync_s": 0.5, "num_rollout": 2 + k % 2, "num_train": 2 - k % 2, "idle_device_s": 6.0,
            "tail_idle_device_s": 2.0, "reward_mean": 0.1 * k, "reward_std": 0.05, "reward_left_out": k % 2,
-           "response_len_mean": 20.0 + k,
+           "response_len_mean": 20.0 + k, "gen_batches": 1 + k, "groups_kept": 4, "groups_filtered": 2 * k,
            "response_len_max": 40 + k, **{f: 0.01 * (i + 1) + k for i, f in enumerate(TRAIN_FIELDS)}}
     rec.update(over)
     return rec

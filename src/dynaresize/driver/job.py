@@ -43,10 +43,11 @@ from dynaresize.driver.ledger import Ledger, sample_id_str, token_sha1
 from dynaresize.errors import RewardError
 from dynaresize.rl import data, grpo, tasks
 from dynaresize.rl.advantages import compute_advantages
+from dynaresize.rl.dapo import gen_batch_order, overlong_penalty
 from dynaresize.rl.dataset import is_chat, prompt_key
 from dynaresize.rl.models import encode_prompt, load_tokenizer
 from dynaresize.rl.reward_pool import RewardPool
-from dynaresize.rl.seeds import sample_seed
+from dynaresize.rl.seeds import derived_seed, sample_seed
 from dynaresize.roles.base import GenRequest, GenResult
 
 
@@ -58,6 +59,7 @@ class ScoredStep:
     rewards: list[float] = field(default_factory=list)  # of the samples with a reward (a left-out one has none)
     metric_values: dict[str, list[float]] = field(default_factory=dict)  # a dict reward's other keys, log_metric
     left_out: int = 0  # samples a TRL reward left out (None)
+    filtering: dict | None = None  # algorithm.filter_groups: gen_batches, groups_kept, groups_filtered, groups_surplus
 
     @property
     def mean_reward(self) -> float:
@@ -72,6 +74,19 @@ class ScoredStep:
     def reward_metrics(self) -> dict[str, float]:
         """Each extra reward metric's mean over the step."""
         return {k: sum(v) / len(v) for k, v in sorted(self.metric_values.items()) if v}
+
+
+@dataclass
+class ScoredPart:
+    """Some of a step's samples after the first phase of scoring (`Job.score_part`)."""
+
+    by_id: dict  # sample id -> (device, GenResult)
+    records: dict  # prompt index -> prompt record
+    values: dict  # sample id -> reward (shaped; a left-out sample's 0.0 placeholder)
+    left_out: set
+    metrics: dict[str, list[float]]
+    scores: dict  # sample id -> reward before overlong shaping
+    per_sample: dict  # sample id -> {metric: value} of a one-sample reward call
 
 
 class Job:
@@ -125,6 +140,9 @@ class Job:
         if self.task.env_spec is not None and rc.max_prompt_tokens >= (budget or limit):
             errors.append(f"rollout.max_prompt_tokens={rc.max_prompt_tokens}: leaves no room for a turn within "
                           f"task.max_total_tokens={budget or limit}")
+        if self.task.env_spec is not None and self.cfg.reward.overlong_buffer_len:
+            errors.append(f"reward.overlong_buffer_len={self.cfg.reward.overlong_buffer_len}: not with a multi-turn "
+                          "task: its budget is task.max_total_tokens, over turns and observations")
         if rc.max_prompt_tokens + rc.max_new_tokens > limit:
             errors.append(f"rollout.max_prompt_tokens={rc.max_prompt_tokens}: plus rollout.max_new_tokens="
                           f"{rc.max_new_tokens} exceeds the model's max_position_embeddings ({limit})")
@@ -133,7 +151,11 @@ class Job:
 
             from dynaresize.workload import WORKLOADS
 
-            if rc.length_workload not in WORKLOADS and not Path(rc.length_workload).is_file():
+            if rc.length_workload in WORKLOADS and WORKLOADS[rc.length_workload].filter_share_end:
+                errors.append(f"rollout.length_workload={rc.length_workload!r}: a simulator workload (its "
+                              "filtered groups are modelled); a run filters by its own rewards "
+                              "(algorithm.filter_groups) with another length workload")
+            elif rc.length_workload not in WORKLOADS and not Path(rc.length_workload).is_file():
                 errors.append(f"rollout.length_workload={rc.length_workload!r}: neither a known workload "
                               f"({', '.join(WORKLOADS)}) nor a trace file")
             elif rc.length_horizon_steps and rc.length_workload not in WORKLOADS:
@@ -142,23 +164,40 @@ class Job:
         if errors:
             raise ConfigError(errors)
 
-    def step_prompts(self, step: int) -> list[tuple[int, dict]]:
-        return data.prompts_for_step(self.prompts, step, self.cfg.rollout.prompts_per_step, self.cfg.seed)
+    @property
+    def gen_prompts(self) -> int:
+        """Prompts per generation batch: G with `algorithm.filter_groups` (rl/dapo.py), else P."""
+        rc = self.cfg.rollout
+        return (rc.gen_prompts_per_step or rc.prompts_per_step) if self.cfg.algorithm.filter_groups \
+            else rc.prompts_per_step
 
-    def requests(self, step: int) -> list[list[GenRequest]]:
-        """The step's requests, one list per prompt group."""
+    def step_prompts(self, step: int, batch: int = 0) -> list[tuple[int, dict]]:
+        """(prompt_index, record) of generation batch `batch` of `step` (without filtering, the
+        step's only batch): prompt indices batch*G .. batch*G + G-1 (rl/dapo.py)."""
+        g = self.gen_prompts
+        order = gen_batch_order(len(self.prompts), step, batch, g, self.cfg.seed)
+        return [(batch * g + j, self.prompts[i]) for j, i in enumerate(order)]
+
+    def prompt_record(self, step: int, prompt_index: int) -> dict:
+        batch, j = divmod(prompt_index, self.gen_prompts)
+        return self.step_prompts(step, batch)[j][1]
+
+    def requests(self, step: int, batch: int = 0) -> list[list[GenRequest]]:
+        """The requests of generation batch `batch` of the step, one list per prompt group."""
         rc = self.cfg.rollout
         lengths = None
+        g = self.gen_prompts
         if rc.synthetic_lengths:
             from dynaresize.workload import lengths_for_step
 
             k = rc.samples_per_prompt  # a named workload or a trace file, keyed by absolute step
-            flat = lengths_for_step(rc.length_workload, step, rc.prompts_per_step * k, self.cfg.seed,
+            seed = self.cfg.seed if batch == 0 else derived_seed(self.cfg.seed, "gen-batch", batch)
+            flat = lengths_for_step(rc.length_workload, step, g * k, seed,
                                     samples_per_prompt=k, max_tokens=rc.max_new_tokens,
                                     horizon_steps=rc.length_horizon_steps)
-            lengths = [flat[i * k:(i + 1) * k] for i in range(rc.prompts_per_step)]
+            lengths = [flat[i * k:(i + 1) * k] for i in range(g)]
         groups = []
-        for p, (prompt_index, record) in enumerate(self.step_prompts(step)):
+        for p, (prompt_index, record) in enumerate(self.step_prompts(step, batch)):
             ids = self._encode(record)
             env_sample = dict(record) if self.task.env_spec is not None else None
             groups.append([
@@ -168,8 +207,10 @@ class Job:
                 for s in range(rc.samples_per_prompt)])
         return groups
 
-    def expected_ids(self, step: int) -> list[tuple[int, int, int]]:
-        return [(step, p, s) for p, _ in self.step_prompts(step) for s in range(self.cfg.rollout.samples_per_prompt)]
+    def expected_ids(self, step: int, batches: int = 1) -> list[tuple[int, int, int]]:
+        """The sample ids of the step's first `batches` generation batches."""
+        return [(step, p, s) for b in range(batches) for p, _ in self.step_prompts(step, b)
+                for s in range(self.cfg.rollout.samples_per_prompt)]
 
     def encode(self, record: dict) -> list[int]:
         """The prompt ids of a prompt record, as the rollout sees them (also for evaluation)."""
@@ -194,11 +235,18 @@ class Job:
         return self._prompt_ids[key]
 
     def score(self, step: int, results: list[tuple[int, GenResult]], ledger: Ledger) -> ScoredStep:
-        """Rewards (in the reward pool), ledger entries and group-relative advantages for the
-        samples of `step` (see the module docstring for each sample's fate)."""
+        """Rewards (in the reward pool), ledger entries and advantages for the samples of `step`
+        (see the module docstring for each sample's fate)."""
+        part = self.score_part(step, results, ledger)
+        return self.assemble(step, [part], sorted(part.values))
+
+    def score_part(self, step: int, results: list[tuple[int, GenResult]], ledger: Ledger) -> "ScoredPart":
+        """The first phase of scoring, for some of a step's samples (a generation batch): each is
+        noted generated in the ledger, rewarded (and shaped: `reward.overlong_buffer_len`), and
+        its metric for dynamic sampling taken (`algorithm.filter_metric`)."""
         by_id = {r.sample_id: (d, r) for d, r in results}
-        records = dict(self.step_prompts(step))
         ordered = sorted(by_id)
+        records = {sid[1]: self.prompt_record(step, sid[1]) for sid in ordered}
         texts = {}
         for sid in ordered:
             device, res = by_id[sid]
@@ -207,11 +255,49 @@ class Job:
                              seed=sample_seed(self.cfg.seed, *sid), versions=res.versions, turns=res.turns,
                              stop_reason=res.stop_reason)
             texts[sid] = tasks.decode_response(self.tokenizer, res.response_ids)
-        values, left_out, metrics = self._rewards(step, ordered, records, texts, by_id, ledger)
+        per_sample: dict = {}
+        values, left_out, metrics, scores = self._rewards(step, ordered, records, texts, by_id, ledger, per_sample)
+        return ScoredPart(by_id=by_id, records=records, values=values, left_out=left_out, metrics=metrics,
+                          scores=scores, per_sample=per_sample)
+
+    def filter_values(self, part: "ScoredPart") -> dict[int, list[float | None]]:
+        """Each prompt group's `algorithm.filter_metric` values (None: a left-out sample)."""
+        name = self.cfg.algorithm.filter_metric
+        groups: dict[int, list[float | None]] = {}
+        for sid in sorted(part.values):
+            if sid in part.left_out:
+                value = None
+            elif name == "reward":
+                value = part.values[sid]
+            elif name == "score":
+                value = part.scores[sid]
+            elif name in part.per_sample.get(sid, {}):
+                value = part.per_sample[sid][name]
+            else:
+                from dynaresize.errors import ConfigError
+
+                raise ConfigError([f"algorithm.filter_metric={name!r}: sample {sample_id_str(sid)} has no such metric "
+                                   f"(reward, score, or a key the reward function returns per sample: "
+                                   f"{', '.join(sorted(part.per_sample.get(sid, {}))) or 'none'})"])
+            groups.setdefault(sid[1], []).append(value)
+        return groups
+
+    def assemble(self, step: int, parts: list["ScoredPart"], ids: list[tuple[int, int, int]],
+                 filtering: dict | None = None) -> ScoredStep:
+        """The step's train samples from its consumed ids `ids` (all of its samples, or under
+        dynamic sampling those of the chosen groups), with their advantages."""
+        by_id, values, left_out, metrics = {}, {}, set(), {}
+        for part in parts:
+            by_id.update(part.by_id)
+            values.update(part.values)
+            left_out |= part.left_out
+            for key, vals in part.metrics.items():
+                metrics.setdefault(key, []).extend(vals)
+        ordered = sorted(ids)
         advantages = self.advantages([values[sid] for sid in ordered],
                                      [_model_tokens(by_id[sid][1]) for sid in ordered],
                                      [sid not in left_out for sid in ordered])
-        samples = [grpo.TrainSample(sample_id=sid, prompt_ids=self._encode(records[sid[1]]),
+        samples = [grpo.TrainSample(sample_id=sid, prompt_ids=self._encode(self.prompt_record(step, sid[1])),
                                     response_ids=list(by_id[sid][1].response_ids),
                                     rollout_logprobs=list(by_id[sid][1].logprobs), advantage=adv,
                                     loss_mask=tuple(by_id[sid][1].loss_mask))
@@ -220,20 +306,24 @@ class Job:
         scored = [values[sid] for sid in ordered if sid not in left_out]
         return ScoredStep(samples=samples, rewards=scored, num_tokens=num_tokens,
                           longest_tokens=max((len(s.response_ids) for s in samples), default=0),
-                          metric_values=metrics, left_out=len(left_out))
+                          metric_values=metrics, left_out=len(left_out.intersection(ordered)), filtering=filtering)
 
     def _rewards(self, step: int, ordered: list, records: dict, texts: dict, by_id: dict,
-                 ledger: Ledger) -> tuple[dict, set, dict[str, list[float]]]:
+                 ledger: Ledger, per_sample: dict) -> tuple[dict, set, dict[str, list[float]], dict]:
         """Each sample's reward from the pool, its fate noted in the ledger: (value by sample
-        id, the ids left out, metric values). One call per sample, or per prompt group (trl)."""
+        id, the ids left out, metric values, score before overlong shaping by sample id). One
+        call per sample, or per prompt group (trl); `per_sample` receives a one-sample call's
+        own metrics by sample id."""
         values: dict = {}
+        scores: dict = {}
         left_out: set = set()
         metrics: dict[str, list[float]] = {}
         response_ids = {sid: by_id[sid][1].response_ids for sid in ordered}
         if self.task.env_spec is not None:  # the environment's rewards, its failures as reward errors
             outcomes = [(sid, by_id[sid][1].env_reward, by_id[sid][1].env_error) for sid in ordered]
         else:
-            outcomes = self.reward_outcomes(step, ordered, records, texts, response_ids, metrics)
+            outcomes = self.reward_outcomes(step, ordered, records, texts, response_ids, metrics, per_sample)
+        rc, shaping = self.cfg.rollout, self.cfg.reward
         for sid, value, problem in outcomes:
             if problem is None and value is None:  # a TRL None: left out, recorded
                 left_out.add(sid)
@@ -244,15 +334,20 @@ class Job:
             reason = None if problem is None else self.reward_reason(sid, problem)
             if reason is not None and self.cfg.task.on_reward_error == "fail":
                 raise RewardError(reason)
-            values[sid] = 0.0 if reason is not None else value
-            ledger.scored(sid, values[sid], reason)
-        return values, left_out, metrics
+            scores[sid] = 0.0 if reason is not None else value
+            penalty = overlong_penalty(len(response_ids[sid]), max_tokens=rc.max_new_tokens,
+                                       buffer_len=shaping.overlong_buffer_len, factor=shaping.overlong_penalty_factor)
+            values[sid] = scores[sid] + penalty
+            ledger.scored(sid, values[sid], reason,
+                          overlong_penalty=penalty if shaping.overlong_buffer_len else None)
+        return values, left_out, metrics, scores
 
     def reward_outcomes(self, step: int, ordered: list, records: dict | list, texts: dict, response_ids: dict,
-                        metrics: dict[str, list[float]] | None = None) -> list[tuple]:
+                        metrics: dict[str, list[float]] | None = None, per_sample: dict | None = None) -> list[tuple]:
         """(sample id, value, problem) of each sample of `ordered`, scored in the reward pool:
         one call per sample, or per prompt group (trl); records by prompt index. A value None
-        without a problem is a TRL None. The calls' metrics are added to `metrics`."""
+        without a problem is a TRL None. The calls' metrics are added to `metrics`, and a
+        one-sample call's (one value each) to `per_sample` by sample id."""
         if self.task.reward_style != "trl":
             batches = [[sid] for sid in ordered]
         else:
@@ -270,6 +365,8 @@ class Job:
             for key, vals in result["metrics"].items():
                 if metrics is not None:
                     metrics.setdefault(key, []).extend(vals)
+                if per_sample is not None and len(batch) == 1 and len(vals) == 1:
+                    per_sample.setdefault(batch[0], {})[key] = vals[0]
             out += list(zip(batch, result["values"], result["problems"]))
         return out
 

@@ -9,6 +9,10 @@ training step consumes it (or drops it, with a reason); `check()` then proves, f
 - `consumed_step - version <= staleness` for every consumed sample (the staleness bound);
 - re-issued samples (after a fault) kept their id and seed.
 
+Dynamic sampling (`algorithm.filter_groups`, rl/dapo.py): a step's expected ids grow with each
+generation batch it issues; the samples of filtered (and surplus) groups are dropped with a
+reason that starts with `filtered`.
+
 Faults and stops (docs/faults.md): a sample sent again after its device was lost is noted
 (`note_reissue`) and its entry says why (`reissued`); a run that stops early drops every
 sample it generated but did not consume, with the reason, and waives the steps it will not
@@ -50,6 +54,7 @@ class Entry:
     versions: tuple[tuple[int, int], ...] = ()  # partial rollout: (version, first token), when several made it
     turns: int = 0  # multi-turn: the trajectory's model turns (0: a single-turn sample)
     stop_reason: str = ""  # multi-turn: why it ended (done | max_turns | max_total_tokens | env_error)
+    overlong_penalty: float | None = None  # reward.overlong_buffer_len: the shaping in `reward` (None: off)
 
 
 @dataclass
@@ -84,9 +89,10 @@ class Ledger:
         """The sample is being generated again (same id and seed) because of `reason`."""
         self.reissues.setdefault(sample_id, reason)
 
-    def scored(self, sample_id: SampleId, reward: float, error: str | None = None) -> None:
+    def scored(self, sample_id: SampleId, reward: float, error: str | None = None, *,
+               overlong_penalty: float | None = None) -> None:
         entry = self.entries[sample_id]
-        entry.reward, entry.reward_error = reward, error
+        entry.reward, entry.reward_error, entry.overlong_penalty = reward, error, overlong_penalty
 
     def consumed(self, sample_id: SampleId, step: int) -> None:
         entry = self.entries.get(sample_id)
@@ -173,6 +179,7 @@ def sample_record(entry: Entry) -> dict:
         "reissued": entry.reissued,
         **({"versions": [list(v) for v in entry.versions]} if entry.versions else {}),
         **({"turns": entry.turns, "stop_reason": entry.stop_reason} if entry.turns else {}),
+        **({"overlong_penalty": entry.overlong_penalty} if entry.overlong_penalty is not None else {}),
     }
 
 

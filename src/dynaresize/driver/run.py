@@ -14,6 +14,10 @@ The same `Controller` drives the simulator; both emit the same records (docs/rec
 Semantics (README.md, "How it works") are kept by `Job` (what to generate and how to score is a
 function of sample ids only) and proven by the `Ledger`, whose verdict is `ledger_ok`.
 
+Dynamic sampling (`algorithm.filter_groups`, driver/dynamic_sampling.py): a step's rollout is
+complete once it holds enough prompt groups with signal; the further generation batches of
+step k+1 run after training k and before the sync, on the weights of its first batch.
+
 Faults (docs/faults.md): a window is a list of phases (`stepstate.Window`); a lost device
 interrupts it with `DevicesLost`, `Recovery` re-forms the cluster on the survivors and restores
 the last snapshot, and the window goes on with the phases not done. Checkpoints (periodic,
@@ -101,6 +105,11 @@ class Run(StepReporting):
         self.last_critical_s: float | None = None
         self.engine_version = rollout_version(self.start_step, cfg.train.staleness)  # what rollout devices hold
         self.recovery, self.ckpt = Recovery(self), Checkpointer(self)
+        self.dyn = None
+        if cfg.algorithm.filter_groups:  # dynamic sampling (driver/dynamic_sampling.py)
+            from dynaresize.driver.dynamic_sampling import DynamicSampling
+
+            self.dyn = DynamicSampling(self)
         self.stream = None
         if cfg.train.staleness >= 2:  # the streaming pipeline (driver/streaming.py)
             from dynaresize.driver.streaming import Streaming
@@ -191,7 +200,8 @@ class Run(StepReporting):
         self._prune(step)
         self._expect(step)
         if w.scored is None:
-            w.scored = self.job.score(step, self._rollout(step).results, self.ledger)
+            w.scored = self.dyn.scored(step) if self.dyn else self.job.score(step, self._rollout(step).results,
+                                                                             self.ledger)
         if nxt:
             self._expect(step + 1)
         future = self._rollout_async(step + 1) if overlap else None
@@ -203,6 +213,8 @@ class Run(StepReporting):
             if future is not None:  # the sync needs the overlapped rollout done: its samples
                 self._absorb(step + 1, future.result())  # all come from the weights it started with
         self.cluster.raise_if_lost(f"step {step}")
+        if overlap and self.dyn and w.synced is None:  # step+1's further generation batches, same weights
+            self.dyn.complete(step + 1)
         if w.synced is None:
             w.synced = self.cluster.sync_weights(version=step + 1, step=step)
             self.engine_version = step + 1
@@ -210,7 +222,7 @@ class Run(StepReporting):
             if w.digest is not None:
                 self.cluster.check_engine_weights(w.digest, step + 1)
         if nxt and not overlap:
-            self._rollout(step + 1)
+            self.dyn.complete(step + 1) if self.dyn else self._rollout(step + 1)
         if not w.reported:
             report = self._report(w)
             w.reported = True
@@ -219,7 +231,7 @@ class Run(StepReporting):
     # ------------------------------------------------------------------ pieces of a window
 
     def _expect(self, step: int) -> None:
-        self.ledger.expect(step, self.job.expected_ids(step))
+        self.ledger.expect(step, self.job.expected_ids(step, self.dyn.batches(step) if self.dyn else 1))
 
     def _prune(self, step: int) -> None:
         """Snapshots of versions step-1 .. step+1 (streaming: from max(0, step-eta)) and rollouts of
@@ -229,6 +241,8 @@ class Run(StepReporting):
             del self.snapshots[v]
         for s in [s for s in self.rollouts if s < step]:
             del self.rollouts[s]
+        if self.dyn:
+            self.dyn.prune(step)
 
     def _buffer(self, step: int) -> StepRollout:
         if step not in self.rollouts:

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from dynaresize.driver.job import ScoredStep
+from dynaresize.pipeline.concurrency import concurrency_summary
 from dynaresize.pipeline.stepstate import Window
 from dynaresize.types import StepReport
 
@@ -30,6 +31,8 @@ class StepReporting:
             rolled = self.rollouts.get(step + 1) if step + 1 < self.cfg.steps else None
             prologue, rolled_step = self.rollouts.get(step), step + 1 if rolled else None
         t_end = time.time()
+        if rolled is not None and not self.stream:
+            self._concurrency(step, rolled, w.t0, t_end)
         c = self.timing.clock  # wall -> the run's seconds (emulated ones with cluster.emulate: emulate/clock.py)
         if self.stream:  # trained in parts as the step's samples arrived (driver/accumulate.py)
             train_s, train_busy, train_tail = self.stream.train_times(step, a.num_train)
@@ -73,6 +76,7 @@ class StepReporting:
                       reward_mean=scored.mean_reward, response_tokens=scored.num_tokens, version=step + 1,
                       reward_std=scored.reward_std, reward_left_out=scored.left_out,
                       **({"reward_metrics": scored.reward_metrics} if scored.metric_values else {}),
+                      **(scored.filtering or {}),
                       response_len_mean=scored.num_tokens / max(1, len(scored.samples)),
                       response_len_max=scored.longest_tokens,
                       rollout_work_s=report.rollout_work_s, rollout_longest_s=longest, param_sha1=w.digest,
@@ -80,14 +84,26 @@ class StepReporting:
                       recoveries=w.recoveries, **train_fields(train_stats), **timing)
         return report
 
+    def _concurrency(self, step: int, rolled: Any, t0: float, t1: float) -> None:
+        """One-step-off: one `concurrency` record per rollout device for window `step`, from each
+        request delivered in it (admitted at its call's start, finished at its last token)."""
+        by_device: dict[int, list[tuple[float, float]]] = {}
+        for device, admitted, finished in rolled.requests:
+            by_device.setdefault(device, []).append((self.rel(admitted), self.rel(finished)))
+        for device, spans in sorted(by_device.items()):
+            self.rec.emit("concurrency", step=step, device=device,
+                          **concurrency_summary(spans, self.rel(t0), self.rel(t1)))
+
     def _train_tokens(self, step: int, scored: ScoredStep, rolled: Any) -> dict:
         """One-step-off: the training demand, in sequence tokens, of the batch just trained and of
         the one the next step trains (rolled out in this window, so known before the decision)."""
         out = {"train_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in scored.samples)}
         if rolled is not None:
-            prompts = {r.sample_id: len(r.prompt_ids) for g in self.job.requests(step + 1) for r in g}
-            out["next_train_tokens"] = sum(prompts.get(res.sample_id, 0) + len(res.response_ids)
-                                           for _, res in rolled.results)
+            kept = self.dyn.kept_ids(step + 1) if self.dyn else None  # dynamic sampling: the chosen groups'
+            job = self.job
+            out["next_train_tokens"] = sum(len(job.encode(job.prompt_record(step + 1, res.sample_id[1])))
+                                           + len(res.response_ids) for _, res in rolled.results
+                                           if kept is None or res.sample_id in kept)
         return out
 
     def _stream_fields(self, step: int, scored: ScoredStep, pulls: list[dict], train_tail: float) -> dict:
