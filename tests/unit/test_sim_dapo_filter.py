@@ -59,3 +59,14 @@ def test_streaming_and_the_runtime_refuse_the_modelled_filter(tmp_path):
 
     assert main(["simulate", "--workload", "dapo-filter", "--devices", "8", "--staleness", "2", "--steps", "3",
                  "--out", str(tmp_path / "s"), "--quiet", "--no-plots"]) == 2
+
+
+def test_a_run_refuses_it_as_its_length_workload():
+    from dynaresize.config_load import build_config, merge
+    from dynaresize.driver.job import Job
+    from dynaresize.errors import ConfigError
+    from dynaresize.presets import preset
+
+    cfg = build_config(merge(preset("cpu"), {"rollout": {"length_workload": "dapo-filter"}}))
+    with pytest.raises(ConfigError, match="rollout.length_workload='dapo-filter': a simulator workload"):
+        Job(cfg)
