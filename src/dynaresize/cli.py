@@ -1,4 +1,4 @@
-"""Command-line entry point: `dynaresize {run,simulate,compare,bench,report,advise}`.
+"""Command-line entry point: `dynaresize {run,simulate,compare,bench,report,advise,preflight}`.
 
 Each subcommand lives in `dynaresize.commands.<name>` with `add_parser(subparsers)` and
 `main(args) -> int`; this module only dispatches and turns user errors into one line on
@@ -14,7 +14,7 @@ import sys
 from dynaresize import __version__
 from dynaresize.errors import CheckpointError, ConfigError, UserError
 
-COMMANDS = ("run", "simulate", "compare", "bench", "report", "advise")
+COMMANDS = ("run", "simulate", "compare", "bench", "report", "advise", "preflight")
 
 
 def build_parser() -> argparse.ArgumentParser:

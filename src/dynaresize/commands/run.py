@@ -77,6 +77,12 @@ def add_emulation_flags(p: argparse.ArgumentParser) -> None:
 
 def resolve_config(args: argparse.Namespace, base: dict | None = None):
     """The run's config; `base` (a resumed run's saved config) replaces preset and file."""
+    return build_config(resolve_data(args, base))
+
+
+def resolve_data(args: argparse.Namespace, base: dict | None = None) -> dict:
+    """The run's config as a dict, before it is built and checked (`dynaresize preflight` reads it
+    without the model folder's weight check)."""
     data = base if base is not None else preset(args.preset)
     if args.config and base is None:
         data = merge(data, load_file(args.config))
@@ -107,8 +113,7 @@ def resolve_config(args: argparse.Namespace, base: dict | None = None):
     if args.schedule:
         flags.setdefault("policy", {})["schedule"] = args.schedule
     data = merge(data, flags)
-    data = apply_overrides(data, args.overrides)
-    return build_config(data)
+    return apply_overrides(data, args.overrides)
 
 
 def _check_faults(cfg) -> None:
@@ -140,6 +145,9 @@ def main(args: argparse.Namespace) -> int:
     from dynaresize.rl.models import check_model
 
     check_model(cfg.model)  # transformers reads the folder's config (exit 2, nothing written)
+    from dynaresize.commands.preflight import check_at_start
+
+    cfg = check_at_start(cfg)  # CUDA: a starting split that does not fit is exit 2; bounds keep splits that fit
     if cfg.cluster.emulate:
         print(emulation_banner(cfg), flush=True)
     from dynaresize.driver.recovery import RunStopped  # torch and Ray: only once the config holds
