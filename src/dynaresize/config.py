@@ -391,6 +391,9 @@ class RunConfig:
         if al.filter_groups:
             err.need(t.staleness <= 1, "algorithm.filter_groups", True,
                      "needs train.staleness 0 or 1 (the streaming pipeline does not filter groups)")
+            err.need(self.cluster.emulate is None, "algorithm.filter_groups", True,
+                     "not with cluster.emulate (the emulator paces steps of rollout.prompts_per_step groups; "
+                     "`dynaresize simulate --workload dapo-filter` models dynamic sampling)")
         else:
             err.need(rc.gen_prompts_per_step == 0, "rollout.gen_prompts_per_step", rc.gen_prompts_per_step,
                      "only used with algorithm.filter_groups=true")

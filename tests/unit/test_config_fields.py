@@ -983,6 +983,8 @@ EVIDENCE: dict[str, tuple] = {
     "algorithm.filter_groups": (Probe(True, _dynamic_sampling),
                                 Refused(True, "algorithm.filter_groups=True: needs train.staleness 0 or 1",
                                         base={"train": {"staleness": 2}}),
+                                Refused(True, "algorithm.filter_groups=True: not with cluster.emulate",
+                                        base={"cluster": {"emulate": "a100:7b", "rollout_devices": 2}}),
                                 Runtime("tests/e2e/test_dapo.py::test_dapo_preset_filters_groups_and_moves_each_way",
                                         "the dapo preset's run has steps of 2+ generation batches, filtered samples "
                                         "in the ledger, ledger ok, a move each way")),
