@@ -3,6 +3,7 @@ folder holding only a Qwen2-7B config.json is enough; the plan is costmodel.memo
 on CUDA a starting split that does not fit is exit 2 and the bounds keep only splits that fit."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,21 @@ def test_bad_input_is_one_line_exit_2(argv, needle, qwen_dir, tmp_path, capsys):
     rc = cli.main(["preflight", "--accelerator", "h100", "--devices", "8", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_inputs_follow_the_config():
+    cfg, _ = preflight.resolve(_args("--set", "rollout.max_prompt_tokens=100", "--set", "rollout.max_new_tokens=50",
+                                     "--set", "train.micro_batch_size=3", "--set", "train.kl_coef=0.1",
+                                     "--set", "rollout.tensor_parallel=2"))
+    inp = preflight.inputs_of(cfg)
+    assert (inp.seq_tokens, inp.tokens, inp.reference, inp.tensor_parallel) == (150, 450, True, 2)
+    assert (inp.engine, inp.engine_dtype, inp.train_dtype) == ("vllm", "bf16", "fp32")  # auto on CUDA: bf16 engine
+    det, _ = preflight.resolve(_args("--deterministic"))
+    assert (preflight.inputs_of(det).engine, preflight.inputs_of(det).engine_dtype) == ("hf", "fp32")
+    env = replace(cfg, task=replace(cfg.task, env="tests.fake:Env", max_turns=3))
+    assert preflight.inputs_of(env).seq_tokens == 100 + 3 * 50
+    capped = replace(env, task=replace(env.task, max_total_tokens=1000))
+    assert preflight.inputs_of(capped).seq_tokens == 1000
 
 
 def test_accelerator_memory_in_gib():

@@ -73,12 +73,16 @@ def parse_accelerator(text: str) -> tuple[str, float]:
 def inputs_of(cfg: RunConfig, *, engine: str | None = None) -> memory.MemoryInputs:
     """The memory plan's inputs from a run config, for a CUDA device (the engine's dtype as
     `roles.base.engine_dtype` gives it there; `rollout.engine = auto` is vLLM on a GPU node,
-    the hf engine in deterministic mode)."""
+    the hf engine in deterministic mode). A sequence is `rollout.max_prompt_tokens +
+    max_new_tokens`; multi-turn (`task.env`), `task.max_total_tokens`, or when that is 0 (the
+    model's positions) the prompt and `task.max_turns` responses, observations not counted."""
     r, t = cfg.rollout, cfg.train
     if engine is None:
         engine = "hf" if r.engine == "hf" or (r.engine == "auto" and cfg.deterministic) else "vllm"
     dtype = r.dtype if r.dtype != "auto" else ("bf16" if t.dtype == "bf16" or not cfg.deterministic else "fp32")
     seq = r.max_prompt_tokens + r.max_new_tokens
+    if cfg.task.env:  # multi-turn: a trajectory is its cap, or at least its turns (observations unknown here)
+        seq = cfg.task.max_total_tokens or r.max_prompt_tokens + cfg.task.max_turns * r.max_new_tokens
     return memory.MemoryInputs(
         micro_batch_size=t.micro_batch_size, seq_tokens=seq, train_dtype=t.dtype,
         activation_checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, engine=engine,

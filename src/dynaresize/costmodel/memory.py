@@ -277,7 +277,8 @@ def engine_kv_bytes(shape: ModelShape, inp: MemoryInputs, hbm_bytes: float) -> f
 
 def engine_peak(shape: ModelShape, inp: MemoryInputs, hbm_bytes: float) -> Peak:
     """One rollout device's peak. vLLM starts only when `gpu_memory_utilization` x the device is
-    free and then uses all of it (weights, its reserve, KV), so the device holds that budget on
+    free (its GPU worker raises "Free memory on device ... on startup is less than desired GPU
+    memory utilization" otherwise: vllm/v1/worker/gpu_worker.py) and then uses all of it (weights, its reserve, KV), so the device holds that budget on
     top of what was there before it (context, communicators) plus a weight sync's staging (two
     buckets in the engine's dtype, received outside the engine). The HF engine: weights, one
     batch's KV and fp32 logits."""
