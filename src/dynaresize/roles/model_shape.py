@@ -66,7 +66,8 @@ def read_shape(model_cfg: ModelConfig) -> ModelShape:
     named = list(model.named_parameters())  # distinct parameters: a tied weight appears once
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in no_split]
-    layer_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    layer_params = max(block_params, default=0)
     num_params = sum(p.numel() for _, p in named)
     specs = [(name, tuple(p.shape)) for name, p in named]
     staging = []
@@ -87,7 +88,7 @@ def read_shape(model_cfg: ModelConfig) -> ModelShape:
         vocab_size=int(text.vocab_size),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         layer_params=int(layer_params or num_params),
-        root_params=int(num_params - len(blocks) * layer_params),
+        root_params=int(num_params - sum(block_params)),
         largest_param=int(max(p.numel() for _, p in named)),
         sync_staging_bytes=tuple(staging),
     )
