@@ -247,7 +247,9 @@ def trainer_peak(shape: ModelShape, inp: MemoryInputs, num_train: int) -> Peak:
     gathered = shape.root_params * e + 2 * shape.layer_params * e
     grads_unsharded = shape.root_params * e + shape.layer_params * (e + (4 if e != 4 else 0))
     fwd_bwd = gathered + grads_unsharded + act + logits_bytes(shape, inp)
-    optim = 3 * 4 * shape.largest_param / w  # a few fp32 temporaries of the largest local shard
+    # roles/train_state.adamw_update_ on the largest local shard: the clipped gradient (grad * coef),
+    # exp_avg_sq.sqrt() and its division by the bias correction are alive at once: 3 fp32 temporaries
+    optim = 3 * 4 * shape.largest_param / w
     sync = 4 * shape.largest_param + shape.staging_bytes(DTYPE_BYTES[inp.engine_dtype])
     parts: list[tuple[str, float]] = [
         ("parameters", 4 * n / w), ("gradients", 4 * n / w), ("moments", 8 * n / w)]
