@@ -112,6 +112,10 @@ def test_accelerator_memory_in_gib():
 def test_start_check_off_cuda_changes_nothing():
     cfg, _ = preflight.resolve(_args("--devices", "8", "--rollout-devices", "4"))
     assert preflight.start_check(cfg, "cpu", 0.0, shape=QWEN2_7B) is cfg
+    import torch
+
+    if not torch.cuda.is_available():  # this machine: the run's own check leaves the config alone
+        assert preflight.check_at_start(cfg) is cfg
 
 
 def test_start_check_on_cuda_refuses_a_start_that_does_not_fit():
