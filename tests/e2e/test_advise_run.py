@@ -49,6 +49,8 @@ def test_advise_reproduces_a_static_runs_throughput(static_run, capsys, tmp_path
     assert doc["lengths"]["source"] == "exact (sample records)"
     run_rate = STEPS * 16 / summary["steps_time_s"]  # the run's own throughput over its steps
     split = doc["logged_split"]
+    print(f"run {run_rate:.2f} samples/s over its steps; advise: logged {split['samples_per_s_logged']:.2f}, "
+          f"reproduced {split['samples_per_s_reproduced']:.2f}; verdict: {doc['verdict']}")
     assert split["samples_per_s_logged"] == pytest.approx(run_rate, rel=0.02)
     assert split["samples_per_s_reproduced"] == pytest.approx(run_rate, rel=0.10)
     assert {s["rollout"] for s in doc["static"]} == {1, 2, 3}
