@@ -164,3 +164,19 @@ def test_bf16_with_kl_schedule_and_clipping_through_resizes(ray_local, tmp_path)
     assert all(s["grad_norm"] > 0 and 0 <= s["clip_frac"] <= 1 and s["entropy"] > 0 for s in steps)
     by_w = {s["num_train"]: s["train_state_bytes_max"] for s in steps}
     assert set(by_w) == {1, 2, 3} and by_w[1] > by_w[2] > by_w[3]  # sharded: fewer bytes with more trainers
+
+
+def test_each_engine_holds_its_whole_share_at_once(ray_local, tmp_path):
+    """One-step-off, unpaced: each rollout engine gets its share of the step in one call (the
+    simulator's split), not one prompt group at a time: with 16 prompts x 4 samples on 2 rollout
+    devices every engine has its 32 requests in flight at once (`concurrency` records)."""
+    cfg = _cfg(steps=3, policy__name="static:2",
+               rollout={**preset("cpu")["rollout"], "prompts_per_step": 16, "samples_per_prompt": 4,
+                        "max_new_tokens": 8, "engine": "hf"})
+    summary = run_job(cfg, tmp_path / "run", progress=False)
+    assert summary["ledger_ok"], summary["ledger_problems"]
+    conc = list(read_records(tmp_path / "run" / "records.jsonl", "concurrency"))
+    assert {c["step"] for c in conc} == {0, 1}  # the windows that rolled a step out (1 and 2)
+    for step in (0, 1):
+        mine = [c for c in conc if c["step"] == step]
+        assert len(mine) == 2 and all(c["peak"] == c["requests"] == 32 for c in mine), mine

@@ -280,8 +280,12 @@ def test_router_sends_each_device_its_replica_at_once():
     for chunk, (positions, pace_s) in zip(chunks, plan):
         assert [pacing.emulator.sample_index(r.sample_id) for r in chunk] == list(positions)
         assert chunk.pace_s == pace_s
-    unpaced = DriverPacing(_cfg())
-    assert unpaced.rollout_chunks(2, groups, 4) == groups and unpaced.train_s(2, 4) is None
+    # unpaced: the same shares (the runtime's dispatch path), only not paced
+    unpaced = DriverPacing(build_config(merge(preset("cpu"), {"cluster": {"devices": 8, "rollout_devices": 4},
+                                                              "rollout": {"prompts_per_step": 6, "samples_per_prompt": 4}})))
+    plain = unpaced.rollout_chunks(2, groups, 4)
+    assert [[r.sample_id for r in c] for c in plain] == [[r.sample_id for r in c] for c in chunks]
+    assert not any(isinstance(c, PacedRequests) for c in plain) and unpaced.train_s(2, 4) is None
     assert math.isclose(pacing.train_s(2, 4), pacing.emulator.train_s(2, 4))
     evals = [[GenRequest(sample_id=(-1, p, s), prompt_ids=[1], max_new_tokens=4, seed=0) for s in range(4)]
              for p in range(2)]

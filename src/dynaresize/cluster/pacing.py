@@ -19,7 +19,7 @@ model removes: what they take beyond their paced time is the step's overhead, no
 
 Driver side (`DriverPacing`, one per `Cluster`): which calls are paced and to what (from the
 run's `emulate.model.Emulator`); the rollout router's work split (`rollout_chunks`: the simulator's
-replicas, each device's requests sent at once as one continuous batch); driver-side pacing of a
+replicas, each replica's share sent at once as one continuous batch, paced or not); driver-side pacing of a
 resize's critical ops (`after_op`); the run's clock, on which every paced interval is put
 (emulate.clock.EmulatedClock); and the real and paced times of the stage calls, which the runtime
 takes per step (`overrun`, `real_fraction`). Without `cluster.emulate` nothing is paced: every
@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from dynaresize.emulate.clock import EmulatedClock
 from dynaresize.emulate.model import Emulator, time_scale_of
+from dynaresize.pipeline.dispatch import replica_shares
 
 
 def pace(result: Any, start: float, emulated_s: float, time_scale: float, *,
@@ -78,6 +79,7 @@ class DriverPacing:
 
     def __init__(self, cfg: Any) -> None:
         self.emulator: Emulator | None = Emulator.from_config(cfg)
+        self.samples_per_prompt = int(cfg.rollout.samples_per_prompt)
         self.time_scale = time_scale_of(cfg.cluster)
         self.clock = EmulatedClock(self.time_scale)  # paced work counts time_scale x (emulate/clock.py)
         self._lock = threading.Lock()
@@ -105,17 +107,39 @@ class DriverPacing:
 
     def rollout_chunks(self, step: int, groups: list[list[Any]], num_devices: int, *,
                        stream: bool = False) -> list[list[Any]]:
-        """The router's queue: unchanged without emulation (one prompt group per dispatch);
-        emulated, one `PacedRequests` per rollout device, as the simulator's replicas split the
-        step (`Emulator.rollout_plan`), or with `stream` the streaming pipeline's shares of
-        consecutive samples (`Emulator.stream_plan`); requests not in `groups` are left out."""
-        if self.emulator is None or num_devices < 1 or step < 0:  # step < 0: evaluation, not modelled
+        """The router's queue. One-step-off: one item per rollout replica, its share of the
+        step's requests sent at once (`pipeline.dispatch.replica_shares`, the simulator's split),
+        paced to the replica's modelled time when emulating: the same items either way. With
+        `stream`, emulated: the streaming pipeline's shares of consecutive samples
+        (`Emulator.stream_plan`), unpaced: the groups as given (the router admits them).
+        Evaluation (step < 0) keeps its groups; requests not in `groups` are left out."""
+        if num_devices < 1 or step < 0:
+            return list(groups)
+        if stream:
+            return self._stream_chunks(step, groups, num_devices)
+        flat = [r for g in groups for r in g]
+        shares = replica_shares([r.sample_id for r in flat], num_devices, self.samples_per_prompt)
+        if self.emulator is None:
+            return [[flat[i] for i in share] for share in shares]
+        index, present = self.emulator.sample_index, {self.emulator.sample_index(r.sample_id) for r in flat}
+        paced = {tuple(i for i in positions if i in present): pace_s
+                 for positions, pace_s in self.emulator.rollout_plan(step, num_devices)}
+        chunks = []
+        for share in shares:
+            mine = [flat[i] for i in share]
+            key = tuple(index(r.sample_id) for r in mine)
+            if key not in paced:  # the split is the simulator's by construction: say so if not
+                raise RuntimeError(f"step {step}: a replica's share {key[:8]}... is not the emulator's")
+            chunks.append(self._paced(mine, paced[key]))
+        return chunks
+
+    def _stream_chunks(self, step: int, groups: list[list[Any]], num_devices: int) -> list[list[Any]]:
+        if self.emulator is None:
             return list(groups)
         index = self.emulator.sample_index
         present = {index(r.sample_id): r for g in groups for r in g}
         chunks = []
-        plan = self.emulator.stream_plan if stream else self.emulator.rollout_plan
-        for positions, pace_s, *share in plan(step, num_devices):
+        for positions, pace_s, *share in self.emulator.stream_plan(step, num_devices):
             mine = [present[i] for i in positions if i in present]
             if mine:
                 chunks.append(self._paced(mine, pace_s, *share))

@@ -3,9 +3,10 @@ training devices (whole, or in parts as a streaming step's samples arrive), and 
 from the training group's root to every rollout device. A mixin of `cluster.cluster.Cluster`:
 it uses the cluster's workers, assignment, pacing, watchdog and fault points.
 
-Rollout is continuous dispatch over prompt groups: each free rollout device takes the next
-group, so a device whose requests are done gets more work while any is left; a lost device's
-group goes back to the front of the queue with the same sample ids and seeds. Training gives
+Rollout sends each rollout replica its whole share of the step at once (the simulator's split,
+`pipeline.dispatch`), so an engine decodes as many requests as it can hold, not one prompt group;
+a lost device's share goes back to the front of the queue with the same sample ids and seeds and
+the next free replica takes it. Training gives
 micro-batch i of a step to the trainer at position i mod W (composition fixed by sample
 index). Every call's epoch times come back for the driver's `span` records.
 """
@@ -32,6 +33,8 @@ class RolloutOutcome:
     busy_s: dict[int, float]
     last_end: dict[int, float]
     calls: list[tuple[int, float, float]]  # (device, t0, t1) of every engine call
+    # (device, admitted, finished) of every request delivered: its call's start, its last token
+    requests: list[tuple[int, float, float]] = field(default_factory=list)
     remaining: list[list[GenRequest]] = field(default_factory=list)  # groups no device was left for
     reissued: list[tuple[int, int, int]] = field(default_factory=list)  # sample ids sent again after a loss
 
@@ -44,9 +47,9 @@ class StagesMixin:
         return self._executor.submit(self.rollout, step, groups, self.assignment.devices(ROLLOUT))
 
     def rollout(self, step: int, groups: list[list[GenRequest]], devices: tuple[int, ...]) -> RolloutOutcome:
-        """A router with continuous dispatch: each free rollout replica takes the next prompt
-        group, so a replica whose requests are done gets more work while any is left. A
-        replica is one device, or `rollout.tensor_parallel` devices that each get the call
+        """A router over replica shares: each rollout replica gets its share of the step in
+        one call (`pacing.rollout_chunks`); a free replica takes the next item while any is left.
+        A replica is one device, or `rollout.tensor_parallel` devices that each get the call
         (cluster/replicas.py); its leader's answer is the replica's.
 
         A lost device's group goes back to the front of the queue (same ids and seeds) and the
@@ -62,11 +65,12 @@ class StagesMixin:
         sent: dict[int, tuple[list[GenRequest], replicas.ReplicaCall]] = {}  # leader -> its group, its call
         down = lambda d: any(r in self.watchdog.lost for r in reps[d])  # noqa: E731
         free = [d for d in devices if d == reps[d][0] and not down(d)]
-        queue = self.pacing.rollout_chunks(step, queue, len(free))  # emulated: one batch per replica
+        queue = self.pacing.rollout_chunks(step, queue, len(free))  # one share per replica, paced or not
         out: list[tuple[int, Any]] = []
         busy = {ids[d]: 0.0 for d in devices}
         last_end = {ids[d]: t0 for d in devices}
         calls: list[tuple[int, float, float]] = []
+        requests: list[tuple[int, float, float]] = []
         reissued: list[tuple[int, int, int]] = []
         tracker = self.watchdog.tracker(f"rollout {step}")
         while queue or sent:
@@ -88,6 +92,11 @@ class StagesMixin:
                 first = sent.pop(d)[1].result()
                 self.pacing.note(first)
                 out.extend((ids[d], x) for x in first["results"])
+                # a paced share is in flight for the replica's modelled time (its real work is tiny)
+                paced = "paced_s" in first
+                requests.extend((ids[d], first["t0"], first["t1"] if paced else min(first["t0"] + x.duration_s,
+                                                                                    first["t1"]))
+                                for x in first["results"])
                 for rank in reps[d]:  # every rank of a replica was busy for it
                     busy[ids[rank]] += first["t1"] - first["t0"]
                     last_end[ids[rank]] = max(last_end[ids[rank]], first["t1"])
@@ -101,7 +110,7 @@ class StagesMixin:
                 queue.insert(0, group)
             free = [d for d in free if not down(d)]
         return RolloutOutcome(results=out, t0=t0, t1=time.time(), busy_s=busy, last_end=last_end, calls=calls,
-                              remaining=queue, reissued=reissued)
+                              remaining=queue, reissued=reissued, requests=requests)
 
     def train(self, step: int, micro_batches: list[list[Any]], total_tokens: int) -> list[dict]:
         """One training step: micro-batch i goes to the (i mod W)-th training device."""

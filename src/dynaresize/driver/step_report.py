@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from dynaresize.driver.job import ScoredStep
+from dynaresize.pipeline.concurrency import concurrency_summary
 from dynaresize.pipeline.stepstate import Window
 from dynaresize.types import StepReport
 
@@ -30,6 +31,8 @@ class StepReporting:
             rolled = self.rollouts.get(step + 1) if step + 1 < self.cfg.steps else None
             prologue, rolled_step = self.rollouts.get(step), step + 1 if rolled else None
         t_end = time.time()
+        if rolled is not None and not self.stream:
+            self._concurrency(step, rolled, w.t0, t_end)
         c = self.timing.clock  # wall -> the run's seconds (emulated ones with cluster.emulate: emulate/clock.py)
         if self.stream:  # trained in parts as the step's samples arrived (driver/accumulate.py)
             train_s, train_busy, train_tail = self.stream.train_times(step, a.num_train)
@@ -80,6 +83,16 @@ class StepReporting:
                       **({"rollout_chunks": report.rollout_chunks} if self.stream else {}),
                       recoveries=w.recoveries, **train_fields(train_stats), **timing)
         return report
+
+    def _concurrency(self, step: int, rolled: Any, t0: float, t1: float) -> None:
+        """One-step-off: one `concurrency` record per rollout device for window `step`, from each
+        request delivered in it (admitted at its call's start, finished at its last token)."""
+        by_device: dict[int, list[tuple[float, float]]] = {}
+        for device, admitted, finished in rolled.requests:
+            by_device.setdefault(device, []).append((self.rel(admitted), self.rel(finished)))
+        for device, spans in sorted(by_device.items()):
+            self.rec.emit("concurrency", step=step, device=device,
+                          **concurrency_summary(spans, self.rel(t0), self.rel(t1)))
 
     def _train_tokens(self, step: int, scored: ScoredStep, rolled: Any) -> dict:
         """One-step-off: the training demand, in sequence tokens, of the batch just trained and of

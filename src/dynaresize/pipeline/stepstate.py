@@ -24,6 +24,7 @@ class StepRollout:
     remaining: list[list[Any]]  # prompt groups (lists of GenRequest) not generated yet
     results: list[tuple[int, Any]] = field(default_factory=list)  # (device id, GenResult)
     calls: list[tuple[int, float, float]] = field(default_factory=list)
+    requests: list[tuple[int, float, float]] = field(default_factory=list)  # (device, admitted, finished)
     busy_s: dict[int, float] = field(default_factory=dict)
     last_end: dict[int, float] = field(default_factory=dict)
     t0: float | None = None
@@ -38,6 +39,7 @@ class StepRollout:
         """Add one attempt's outcome (cluster.stages.RolloutOutcome); returns its engine calls."""
         self.results.extend(outcome.results)
         self.calls.extend(outcome.calls)
+        self.requests.extend(outcome.requests)
         for d, s in outcome.busy_s.items():
             self.busy_s[d] = self.busy_s.get(d, 0.0) + s
         for d, t in outcome.last_end.items():
