@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dynaresize import cli
-from dynaresize.commands import preflight
+from dynaresize.commands import memory_plan, preflight
 from dynaresize.config import ModelConfig
 from dynaresize.costmodel import memory
 from dynaresize.emulate.model import run_bounds
@@ -111,17 +111,17 @@ def test_accelerator_memory_in_gib():
 
 def test_start_check_off_cuda_changes_nothing():
     cfg, _ = preflight.resolve(_args("--devices", "8", "--rollout-devices", "4"))
-    assert preflight.start_check(cfg, "cpu", 0.0, shape=QWEN2_7B) is cfg
+    assert memory_plan.start_check(cfg, "cpu", 0.0, shape=QWEN2_7B) is cfg
     import torch
 
     if not torch.cuda.is_available():  # this machine: the run's own check leaves the config alone
-        assert preflight.check_at_start(cfg) is cfg
+        assert memory_plan.check_at_start(cfg) is cfg
 
 
 def test_start_check_on_cuda_refuses_a_start_that_does_not_fit():
     cfg, _ = preflight.resolve(_args("--devices", "8", "--rollout-devices", "4"))
     with pytest.raises(ConfigError) as exc:
-        preflight.start_check(cfg, "cuda", 80 * GB, shape=QWEN2_7B)
+        memory_plan.start_check(cfg, "cuda", 80 * GB, shape=QWEN2_7B)
     (line,) = exc.value.errors
     fit = memory.split_fit(QWEN2_7B, preflight.inputs_of(cfg), 80 * GB, rollout=4, train=4)
     assert not fit.fits
@@ -132,12 +132,12 @@ def test_start_check_on_cuda_refuses_a_start_that_does_not_fit():
 def test_start_check_on_cuda_raises_the_bounds_to_the_splits_that_fit():
     cfg, _ = preflight.resolve(_args("--devices", "8", "--rollout-devices", "2"))
     assert run_bounds(cfg).splits() == (1, 2, 3, 4, 5, 6, 7)
-    checked = preflight.start_check(cfg, "cuda", 80 * GB, shape=QWEN2_7B)
+    checked = memory_plan.start_check(cfg, "cuda", 80 * GB, shape=QWEN2_7B)
     fitting = tuple(s.rollout for s in preflight.plan(cfg, QWEN2_7B, 80 * GB) if s.fits)
     assert fitting and run_bounds(checked).splits() == fitting
     assert checked.policy.min_train == 8 - max(fitting) > cfg.policy.min_train
     # a bigger device: every split fits, the bounds stay the policy's
-    assert preflight.start_check(cfg, "cuda", 1000 * GB, shape=QWEN2_7B) is cfg
+    assert memory_plan.start_check(cfg, "cuda", 1000 * GB, shape=QWEN2_7B) is cfg
 
 
 def test_run_checks_at_start_on_cuda(tmp_path, monkeypatch, capsys):

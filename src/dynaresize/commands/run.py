@@ -145,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
     from dynaresize.rl.models import check_model
 
     check_model(cfg.model)  # transformers reads the folder's config (exit 2, nothing written)
-    from dynaresize.commands.preflight import check_at_start
+    from dynaresize.commands.memory_plan import check_at_start
 
     cfg = check_at_start(cfg)  # CUDA: a starting split that does not fit is exit 2; bounds keep splits that fit
     if cfg.cluster.emulate:
