@@ -15,8 +15,8 @@ Semantics (README.md, "How it works") are kept by `Job` (what to generate and ho
 function of sample ids only) and proven by the `Ledger`, whose verdict is `ledger_ok`.
 
 Dynamic sampling (`algorithm.filter_groups`, driver/dynamic_sampling.py): a step's rollout is
-complete once it holds enough prompt groups with signal; the further generation batches of
-step k+1 run after training k and before the sync, on the weights of its first batch.
+complete once it holds enough prompt groups with signal; step k+1's generation batches, scored
+one by one, all run on a driver thread overlapping training k, before the sync.
 
 Faults (docs/faults.md): a window is a list of phases (`stepstate.Window`); a lost device
 interrupts it with `DevicesLost`, `Recovery` re-forms the cluster on the survivors and restores
@@ -204,16 +204,22 @@ class Run(StepReporting):
                                                                              self.ledger)
         if nxt:
             self._expect(step + 1)
-        future = self._rollout_async(step + 1) if overlap else None
+        filling = overlap and self.dyn is not None  # dynamic sampling: step+1's batches until its groups are in
+        if filling:
+            self._engines_at(rollout_version(step + 1, cfg.train.staleness))
+        future = (self.dyn.complete_async(step + 1) if filling else self._rollout_async(step + 1)) if overlap else None
         try:
             if w.trained is None:
                 w.trained = self._train(step, w.scored)
             self._finish_pending()
         finally:
             if future is not None:  # the sync needs the overlapped rollout done: its samples
-                self._absorb(step + 1, future.result())  # all come from the weights it started with
+                if filling:  # all come from the weights it started with
+                    self.dyn.join(future)
+                else:
+                    self._absorb(step + 1, future.result())
         self.cluster.raise_if_lost(f"step {step}")
-        if overlap and self.dyn and w.synced is None:  # step+1's further generation batches, same weights
+        if filling and w.synced is None:  # what a lost device left of step+1, same weights
             self.dyn.complete(step + 1)
         if w.synced is None:
             w.synced = self.cluster.sync_weights(version=step + 1, step=step)
