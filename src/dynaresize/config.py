@@ -152,6 +152,7 @@ class TrainConfig:
     staleness: int = 1  # 0 = synchronous; 1 = one-step off-policy; 2..MAX_STALENESS = streaming (docs/pipeline.md)
     dtype: str = "fp32"  # compute dtype: fp32 | bf16 (master weights, gradients, reductions stay fp32)
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
+    logprob_chunk_tokens: int = 1024  # the loss's output head on this many response tokens at a time; 0: whole logits
     kl_estimator: str = "k3"  # k1 (log ratio) | k3 (low-variance, non-negative); used when kl_coef > 0
     lr_schedule: str = "constant"  # constant | linear | cosine (decay over the run's steps, after warmup)
     warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
@@ -179,6 +180,8 @@ class TrainConfig:
         err.need(isinstance(self.staleness, int) and 0 <= self.staleness <= MAX_STALENESS, "staleness",
                  self.staleness, f"must be 0 (synchronous), 1 (one-step off) or 2..{MAX_STALENESS} (streaming)")
         err.need(self.dtype in ("fp32", "bf16"), "dtype", self.dtype, "must be fp32 or bf16")
+        err.need(isinstance(self.logprob_chunk_tokens, int) and self.logprob_chunk_tokens >= 0,
+                 "logprob_chunk_tokens", self.logprob_chunk_tokens, "must be an integer >= 0 (0: whole logits)")
         err.need(self.kl_estimator in ("k1", "k3"), "kl_estimator", self.kl_estimator, "must be k1 or k3")
         err.need(self.lr_schedule in ("constant", "linear", "cosine"), "lr_schedule", self.lr_schedule,
                  "must be constant, linear or cosine")

@@ -405,6 +405,26 @@ def _loss_terms(cfg: RunConfig) -> tuple:
     return round(total, 6), _digest(*(p.grad for p in model.parameters() if p.grad is not None))
 
 
+def _head_outputs(cfg: RunConfig) -> tuple:
+    """Shapes the output head returns inside the worker's own loss function: the whole logits
+    [micro-batch, positions, vocabulary], or in chunks (rl/logprobs.py) per-position pairs."""
+    from dynaresize.cluster.worker import DeviceWorker
+    from dynaresize.rl import grpo
+    from dynaresize.rl.models import build_model
+
+    model = build_model(cfg.model)
+    shapes: list = []
+    model.get_output_embeddings().register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape)))
+    worker = DeviceWorker.__new__(DeviceWorker)
+    worker._parked = None  # set by __init__, which these probes skip
+    worker.cfg, worker.trainer = cfg, SimpleNamespace(ref=None)
+    samples = _train_samples(cfg)
+    fn = worker._loss_fn(grpo.total_response_tokens(samples))
+    for mb in grpo.micro_batches(samples, cfg.train.micro_batch_size):
+        fn(model, mb)
+    return tuple(shapes)
+
+
 class _Mesh:
     @staticmethod
     def from_group(group: Any, device_type: str) -> None:
@@ -952,6 +972,7 @@ EVIDENCE: dict[str, tuple] = {
                                 "with staleness=2 every sample's version is max(0, consumed_step - 2), the bound reached")),
     "train.dtype": (Probe("bf16", _sharded), Probe("bf16", _behaviour_logprobs)),
     "train.activation_checkpointing": (Probe(True, _sharded),),
+    "train.logprob_chunk_tokens": (Probe(0, _head_outputs), Refused(-1, "train.logprob_chunk_tokens=-1")),
     "train.kl_estimator": (Probe("k1", _train_steps, base={"train": {"kl_coef": 0.1}}),),
     "train.lr_schedule": (Probe("cosine", _train_steps),
                           Runtime("tests/e2e/test_run.py::test_bf16_with_kl_schedule_and_clipping_through_resizes",

@@ -37,14 +37,16 @@ class TrainStageMixin:
             refs = None
             if self.trainer.ref is not None:
                 with torch.no_grad():
-                    refs = grpo.response_logprobs(self.trainer.ref, batch, temperature=temperature)
+                    refs = grpo.response_logprobs(self.trainer.ref, batch, temperature=temperature,
+                                                  chunk_tokens=tc.logprob_chunk_tokens)
             stats: dict = {}
             loss = grpo.micro_batch_loss(model, batch, denominator=denominator, clip_eps=tc.clip_eps,
                                          clip_ratio_low=tc.clip_ratio_low, clip_ratio_high=tc.clip_ratio_high,
                                          clip_ratio_c=tc.clip_ratio_c, loss_agg_mode=tc.loss_agg_mode,
                                          max_response_tokens=self.cfg.rollout.max_new_tokens,
                                          entropy_coef=tc.entropy_coef, kl_coef=tc.kl_coef, ref_logprobs=refs,
-                                         kl_estimator=tc.kl_estimator, temperature=temperature, stats=stats)
+                                         kl_estimator=tc.kl_estimator, temperature=temperature, stats=stats,
+                                         chunk_tokens=tc.logprob_chunk_tokens)
             return (loss * 0.0, {}) if dummy else (loss, stats)
 
         return loss_fn
@@ -67,11 +69,12 @@ class TrainStageMixin:
                            rounds: int | None = None) -> dict:
         """Behaviour log-probs recomputed by the trainers with their current weights (collective
         over the training group; a rank without a micro-batch in a round runs a dummy)."""
-        temperature = self.cfg.rollout.temperature
+        temperature, chunk = self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens
         out = self.trainer.forward_rounds(
             micro_batches, num_micro_batches,
             lambda model, mb: [lp.tolist() for lp in grpo.response_logprobs(
-                model, grpo.dummy_micro_batch() if mb is None else mb, temperature=temperature)], rounds=rounds)
+                model, grpo.dummy_micro_batch() if mb is None else mb, temperature=temperature, chunk_tokens=chunk)],
+            rounds=rounds)
         return {i: lps for i, lps in out.items()}
 
     def train(self, step: int, micro_batches: list[tuple[int, list]], num_micro_batches: int,

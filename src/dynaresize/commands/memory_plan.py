@@ -33,7 +33,8 @@ def inputs_of(cfg: RunConfig, *, engine: str | None = None) -> memory.MemoryInpu
         activation_checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, engine=engine,
         engine_dtype=dtype, tensor_parallel=r.tensor_parallel, gpu_memory_utilization=r.gpu_memory_utilization,
         kv_cache_bytes=r.vllm_kv_cache_bytes, max_model_len=r.vllm_max_model_len or seq, hf_batch_rows=r.batch_rows,
-        reshard_staging_bytes=cfg.reshard.staging_bytes, engine_release=r.engine_release)
+        reshard_staging_bytes=cfg.reshard.staging_bytes, engine_release=r.engine_release,
+        logprob_chunk_tokens=t.logprob_chunk_tokens)
 
 
 def _bounds(cfg: RunConfig):

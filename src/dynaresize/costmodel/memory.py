@@ -143,6 +143,7 @@ class MemoryInputs:
     hf_batch_rows: int = 4
     reshard_staging_bytes: int = 4 << 20
     engine_release: str = "park"
+    logprob_chunk_tokens: int = 0  # train.logprob_chunk_tokens: the loss's head in chunks; 0: whole logits
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "seq_tokens", "tensor_parallel", "hf_batch_rows"):
@@ -225,10 +226,13 @@ def activation_bytes(shape: ModelShape, inp: MemoryInputs, *, checkpointing: boo
 
 
 def logits_bytes(shape: ModelShape, inp: MemoryInputs) -> float:
-    """The loss's logits (rl/grpo.py `response_logprobs`): lm_head's output for the whole
-    micro-batch in the compute dtype, its fp32 log-softmax saved for backward, and that
-    log-softmax's fp32 gradient in backward: tokens x vocab x (e + 8)."""
-    return float(inp.tokens * shape.vocab_size * (DTYPE_BYTES[inp.train_dtype] + 8))
+    """The loss's logits (rl/grpo.py `response_logprobs`): lm_head's output in the compute
+    dtype, its fp32 log-softmax and that log-softmax's fp32 gradient in backward: rows x vocab x
+    (e + 8), where rows are the micro-batch's tokens, or with `logprob_chunk_tokens` one chunk
+    (rl/logprobs.py: a chunk is recomputed in backward; what stays is 8 bytes per token)."""
+    rows = inp.tokens if inp.logprob_chunk_tokens <= 0 else min(inp.logprob_chunk_tokens, inp.tokens)
+    kept = 0 if inp.logprob_chunk_tokens <= 0 else 8 * inp.tokens
+    return float(rows * shape.vocab_size * (DTYPE_BYTES[inp.train_dtype] + 8) + kept)
 
 
 def trainer_peak(shape: ModelShape, inp: MemoryInputs, num_train: int) -> Peak:

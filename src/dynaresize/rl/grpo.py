@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dynaresize.rl.logprobs import chunked_token_logprobs, supports_chunking
+
 SampleId = tuple[int, int, int]
 
 
@@ -160,12 +162,14 @@ def dummy_micro_batch() -> list[TrainSample]:
 def response_logprobs(model: torch.nn.Module, micro_batch: Sequence[TrainSample], *,
                       temperature: float = 1.0, pad_id: int = 0,
                       entropies: list[torch.Tensor] | None = None,
-                      entropy_grad: bool = False) -> list[torch.Tensor]:
+                      entropy_grad: bool = False, chunk_tokens: int = 0) -> list[torch.Tensor]:
     """Per-sample log-probs of the response tokens under `model` (logits / temperature).
 
     One right-padded forward pass with an attention mask; gradients flow when enabled. With
     `entropies` a list, it receives each sample's per-position entropy (detached, unless
-    `entropy_grad`: then it carries the gradient, for an entropy term in the loss).
+    `entropy_grad`: then it carries the gradient, for an entropy term in the loss). With
+    `chunk_tokens` > 0 (`train.logprob_chunk_tokens`) the output head runs on response positions
+    only, that many at a time, never holding the whole fp32 logits (rl/logprobs.py).
     """
     if not micro_batch:
         return []
@@ -177,6 +181,9 @@ def response_logprobs(model: torch.nn.Module, micro_batch: Sequence[TrainSample]
     for i, seq in enumerate(seqs):
         input_ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
         mask[i, :len(seq)] = 1
+    if chunk_tokens > 0 and supports_chunking(model):
+        return _chunked(model, micro_batch, input_ids, mask, temperature=temperature, entropies=entropies,
+                        entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
     logits = model(input_ids=input_ids, attention_mask=mask).logits
     out = []
     for i, s in enumerate(micro_batch):
@@ -197,6 +204,27 @@ def response_logprobs(model: torch.nn.Module, micro_batch: Sequence[TrainSample]
     return out
 
 
+def _chunked(model: torch.nn.Module, micro_batch: Sequence[TrainSample], input_ids: torch.Tensor,
+             mask: torch.Tensor, *, temperature: float, entropies: list[torch.Tensor] | None,
+             entropy_grad: bool, chunk_tokens: int) -> list[torch.Tensor]:
+    """`response_logprobs` through `rl.logprobs.chunked_token_logprobs`: the same positions
+    (position j predicts token j+1), the same values up to float rounding."""
+    rows, cols, sizes = [], [], []
+    for i, s in enumerate(micro_batch):
+        n_prompt, n_resp = len(s.prompt_ids), len(s.response_ids)
+        rows += [i] * n_resp
+        cols += range(n_prompt - 1, n_prompt - 1 + n_resp)
+        sizes.append(n_resp)
+    rows_t = torch.tensor(rows, dtype=torch.long, device=input_ids.device)
+    cols_t = torch.tensor(cols, dtype=torch.long, device=input_ids.device)
+    logp, ent = chunked_token_logprobs(model, input_ids, mask, rows_t, cols_t, input_ids[rows_t, cols_t + 1],
+                                       temperature=temperature, chunk_tokens=chunk_tokens)
+    if entropies is not None:
+        keep_grad = entropy_grad and torch.is_grad_enabled()
+        entropies.extend(e if keep_grad else e.detach() for e in torch.split(ent, sizes))
+    return list(torch.split(logp, sizes))
+
+
 def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[TrainSample], *,
                      total_response_tokens: int | None = None, clip_eps: float, kl_coef: float = 0.0,
                      ref_logprobs: Sequence[Sequence[float] | torch.Tensor] | None = None,
@@ -204,7 +232,7 @@ def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[TrainSample],
                      stats: dict | None = None, denominator: float | None = None,
                      loss_agg_mode: str = "token-mean", max_response_tokens: int | None = None,
                      clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
-                     clip_ratio_c: float = 0.0, entropy_coef: float = 0.0) -> torch.Tensor:
+                     clip_ratio_c: float = 0.0, entropy_coef: float = 0.0, chunk_tokens: int = 0) -> torch.Tensor:
     """The clipped policy-gradient loss of one micro-batch, normalised by the whole step.
 
     `denominator` is D of the module docstring for the whole step (all micro-batches on all
@@ -235,7 +263,7 @@ def micro_batch_loss(model: torch.nn.Module, micro_batch: Sequence[TrainSample],
     high = clip_eps if clip_ratio_high is None else clip_ratio_high
     ents: list[torch.Tensor] = []
     logps = response_logprobs(model, micro_batch, temperature=temperature, pad_id=pad_id, entropies=ents,
-                              entropy_grad=entropy_coef != 0)
+                              entropy_grad=entropy_coef != 0, chunk_tokens=chunk_tokens)
     total = None
     clipped = dual_clipped = kl_sum = ratio_sum = entropy_sum = 0.0
     num_tokens = 0
