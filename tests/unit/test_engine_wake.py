@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from dynaresize.roles import rollout_vllm  # noqa: E402
+from dynaresize.roles import device_memory, rollout_vllm  # noqa: E402
 from dynaresize.roles.device_memory import wake_problem  # noqa: E402
 
 GIB = 1 << 30
@@ -34,8 +34,8 @@ def _engine(monkeypatch, free: list[int]):
     eng._llm, eng._parked, eng._park_bytes = _LLM(), False, 0
     monkeypatch.setattr(rollout_vllm.VLLMRolloutEngine, "_sleep_mode", staticmethod(lambda: True))
     monkeypatch.setattr(rollout_vllm.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(rollout_vllm, "release_device_memory", lambda device: None)
-    monkeypatch.setattr(rollout_vllm, "free_device_bytes", lambda device: free.pop(0))
+    monkeypatch.setattr(device_memory, "release_device_memory", lambda device: None)
+    monkeypatch.setattr(device_memory, "free_device_bytes", lambda device: free.pop(0))
     return eng
 
 

@@ -20,6 +20,7 @@ come back on the next matmul, whichever role runs it. On the CPU only the collec
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import torch
 
@@ -51,3 +52,20 @@ def wake_problem(need_bytes: int, free_bytes: int | None, what: str) -> str | No
     gib = 1 << 30
     return (f"{what} cannot wake: it needs {need_bytes / gib:.2f} GiB back and the device has "
             f"{free_bytes / gib:.2f} GiB free (another process or a role not yet released holds the rest)")
+
+
+def bytes_freed_by(action: Callable[[], object], device: torch.device) -> int:
+    """Run `action` (an engine's sleep); the bytes it gave back to `device` (0 on the CPU)."""
+    before = free_device_bytes(device)
+    action()
+    after = free_device_bytes(device)
+    return max(0, after - before) if before is not None and after is not None else 0
+
+
+def check_wake(need_bytes: int, device: torch.device, what: str) -> None:
+    """Collect and free cached memory, then raise a one-line `RuntimeError` when `what` cannot
+    get back the `need_bytes` it gave up on `device` (`wake_problem`)."""
+    release_device_memory(device)
+    problem = wake_problem(need_bytes, free_device_bytes(device), f"{what} on {device}")
+    if problem:
+        raise RuntimeError(problem)

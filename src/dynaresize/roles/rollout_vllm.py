@@ -11,9 +11,7 @@ Lifecycle (docs/rollout.md has the measured costs):
   whole decoder layers (a fused group, q/k/v, gate/up or weight+bias, is never split across
   calls: vLLM would process a half-loaded layer), then the tied lm_head is re-dispatched (on
   CPU its GEMM handle is built from the embedding at load time) and the prefix cache reset.
-  A weight sync's stream of buckets (roles/weight_sync.py) goes in one `reload_weights` call
-  whose iterator receives the next bucket only when vLLM asks for it: vLLM loads a module
-  as soon as its weights are in, so at most two buckets are held outside the engine.
+  A weight sync's stream of buckets (roles/weight_sync.py) goes in one call, as it arrives.
 - `release()` tears the engine down and frees its memory (on CPU `sleep` frees nothing);
   `park()`/`unpark()` use vLLM's sleep mode where it frees memory (CUDA), else do nothing.
 
@@ -53,13 +51,11 @@ from dynaresize.config import ModelConfig
 from dynaresize.errors import UserError
 from dynaresize.rl.models import build_tokenizer, hf_config, max_positions
 from dynaresize.roles.base import GenRequest, GenResult, TPPlacement, run_to_completion, target_len, vllm_model_problem
-from dynaresize.roles.device_memory import free_device_bytes, release_device_memory, wake_problem
+from dynaresize.roles.device_memory import bytes_freed_by, check_wake
 from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request
-from dynaresize.roles.vllm_weights import (_rpc_digest, _rpc_kv_cache_bytes, _rpc_redispatch_tied_head, _rpc_reload,
-                                           _rpc_weight_shapes, check_complete, check_names, checked_stream,
-                                           weight_chunks)
+from dynaresize.roles.vllm_weights import _rpc_digest, _rpc_kv_cache_bytes, _rpc_weight_shapes, load_into
 from dynaresize.roles.vllm_tp import check_placement, fixed_request_ids, tp_creation, tp_engine_kwargs
 from dynaresize.roles.vllm_world import destroy_vllm_world, install_safe_cleanup, internals_problem, tp_name_base
 from dynaresize.roles.vllm_world import vllm_world
@@ -134,8 +130,7 @@ class VLLMRolloutEngine:
         return self._llm is not None
 
     def set_weights(self, state_dict: Mapping[str, Any] | Iterable[list[tuple[str, Any]]], version: int) -> None:
-        """`start` if released, else `load_weights`; `state_dict` may be a stream of chunks
-        (roles/weight_sync.py), loaded as it arrives (`_load`)."""
+        """`start` if released, else `load_weights` (a dict, or a stream of chunks: weight_sync.py)."""
         if self._llm is None:
             self.start(state_dict, version)
         else:
@@ -159,9 +154,7 @@ class VLLMRolloutEngine:
             # vLLM runs full garbage collections while it starts (~0.6 s each over a worker's
             # heap, measured: 2-3 s per start); with the existing heap frozen they only walk
             # the engine's own objects. Unfrozen afterwards (vLLM freezes too): nothing stays
-            # uncollectable. What a role leaving this device left in reference cycles was
-            # collected before (roles/device_memory.py: every release collects first); frozen
-            # here it would hold its memory through vLLM's free-memory check.
+            # uncollectable. A leaving role's cycles were collected before (roles/device_memory.py).
             gc.freeze()
             try:
                 with vllm_world(self.tp and tp_name_base(self.tp.master_port)) as world, tp_creation(self.tp):
@@ -203,24 +196,8 @@ class VLLMRolloutEngine:
         self.timings = {"load_s": time.perf_counter() - t0}
 
     def _load(self, weights: Mapping[str, Any] | Iterable[list[tuple[str, Any]]]) -> None:
-        """A state dict: checked whole, then loaded in chunks of whole layers. A stream of
-        chunks (roles/weight_sync.py): one `reload_weights` call over an iterator that asks for
-        the next chunk only once vLLM took the last one's weights (vLLM loads each module as
-        its weights complete, and a chunk never splits one), so at most two chunks are held
-        outside the engine; names and shapes are checked as they arrive, completeness at the end."""
         with preserve_process_state(env=False):
-            if isinstance(weights, Mapping):
-                check_names(weights, self._shapes, self._tied)
-                sd = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in weights.items()}
-                for chunk in weight_chunks(sd, self.load_chunk_bytes):
-                    self._llm.collective_rpc(_rpc_reload, args=([(n, sd[n]) for n in chunk],))
-            else:
-                seen: set[str] = set()
-                self._llm.collective_rpc(_rpc_reload, args=(checked_stream(weights, self._shapes, seen),))
-                check_complete(seen, self._shapes, self._tied)
-            if self._tied:
-                self._llm.collective_rpc(_rpc_redispatch_tied_head)
-            self._llm.reset_prefix_cache()
+            load_into(self._llm, weights, shapes=self._shapes, tied=self._tied, chunk_bytes=self.load_chunk_bytes)
 
     def release(self) -> None:
         """Tear the engine down: model, KV cache, its process groups; `start` builds it again."""
@@ -247,11 +224,7 @@ class VLLMRolloutEngine:
         freed; False on CPU, where sleep is a no-op: call `release` to free memory there."""
         if self._llm is None or self._parked or not self._sleep_mode():
             return False
-        device = torch.device("cuda", torch.cuda.current_device())
-        before = free_device_bytes(device)
-        self._llm.sleep(level=1)
-        after = free_device_bytes(device)
-        self._park_bytes = max(0, after - before) if before is not None and after is not None else 0
+        self._park_bytes = bytes_freed_by(lambda: self._llm.sleep(level=1), self._device())
         self._parked = True
         return True
 
@@ -261,14 +234,13 @@ class VLLMRolloutEngine:
         where they are not free a `RuntimeError` says so in one line (vLLM would fail inside
         its allocator); the engine stays parked."""
         if self._llm is not None and self._parked:
-            device = torch.device("cuda", torch.cuda.current_device()) if self._sleep_mode() else torch.device("cpu")
-            release_device_memory(device)
-            problem = wake_problem(self._park_bytes, free_device_bytes(device), f"the parked vLLM engine on {device}")
-            if problem:
-                raise RuntimeError(problem)
+            check_wake(self._park_bytes, self._device(), "the parked vLLM engine")
             self._llm.wake_up()
             self._llm.reset_prefix_cache()
             self._parked = False
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self._sleep_mode() else torch.device("cpu")
 
     def alloc_kv_cache(self) -> int:
         """Bytes of the engine's KV cache. vLLM allocates it when the engine starts and cannot
@@ -282,15 +254,12 @@ class VLLMRolloutEngine:
         if self._llm is None:
             return {}
         vc = self._llm.llm_engine.vllm_config
-        return {"max_num_seqs": int(vc.scheduler_config.max_num_seqs),
-                "max_model_len": int(vc.model_config.max_model_len),
-                "kv_cache_memory_bytes": vc.cache_config.kv_cache_memory_bytes,
-                "kv_cache_bytes": self.alloc_kv_cache(),
+        return {"max_num_seqs": int(vc.scheduler_config.max_num_seqs), "max_model_len": int(vc.model_config.max_model_len),
+                "kv_cache_memory_bytes": vc.cache_config.kv_cache_memory_bytes, "kv_cache_bytes": self.alloc_kv_cache(),
                 "dtype": str(vc.model_config.dtype).replace("torch.", ""),
                 "enable_prefix_caching": bool(vc.cache_config.enable_prefix_caching),
                 "enable_chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill),
-                "logprobs_mode": str(vc.model_config.logprobs_mode),
-                "tied_embeddings": self._tied}
+                "logprobs_mode": str(vc.model_config.logprobs_mode), "tied_embeddings": self._tied}
 
     def engine_kwargs(self) -> dict:
         """The `vllm.LLM` arguments this engine is created with."""

@@ -323,3 +323,26 @@ def check_complete(seen: set[str], shapes: dict[str, tuple[int, ...]], tied: boo
     if missing:
         raise RuntimeError(f"vLLM engine weights: missing key(s) {missing[:8]} (of {len(seen)} given, "
                            f"{len(shapes)} expected)")
+
+
+def load_into(llm: Any, weights: Mapping[str, Any] | Iterable[list[tuple[str, Any]]], *,
+              shapes: dict[str, tuple[int, ...]], tied: bool, chunk_bytes: int) -> None:
+    """Load every weight of the engine `llm` in place, then re-dispatch a tied lm_head and reset
+    the prefix cache. A state dict: checked whole, then loaded in chunks of whole layers
+    (`chunk_bytes`). A stream of chunks (roles/weight_sync.py): one `reload_weights` call over
+    an iterator that asks for the next chunk only once vLLM took the last one's weights (vLLM
+    loads each module as its weights complete, and a chunk never splits one), so at most two
+    chunks are held outside the engine; names and shapes are checked as they arrive,
+    completeness at the end."""
+    if isinstance(weights, Mapping):
+        check_names(weights, shapes, tied)
+        sd = {k: (v if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in weights.items()}
+        for chunk in weight_chunks(sd, chunk_bytes):
+            llm.collective_rpc(_rpc_reload, args=([(n, sd[n]) for n in chunk],))
+    else:
+        seen: set[str] = set()
+        llm.collective_rpc(_rpc_reload, args=(checked_stream(weights, shapes, seen),))
+        check_complete(seen, shapes, tied)
+    if tied:
+        llm.collective_rpc(_rpc_redispatch_tied_head)
+    llm.reset_prefix_cache()
