@@ -1,8 +1,8 @@
 """Run configuration: frozen keyword-only dataclasses, one per section, each checking its own
-fields (`check(err)`), plus the parsers of the small string formats fields use (schedules,
-fault specs).
+fields (`check(err)`); the parsers of the small string formats fields use (schedules, fault
+specs) are in `types`, re-exported here.
 
-Pure: no Ray, torch or I/O, and nothing but `errors` imported: every layer reads these values.
+Pure: no Ray, torch or I/O, and nothing but `errors` and `types` imported: every layer reads these values.
 Checks that need the cost models (emulated accelerators) run in `emulate.check`; making a
 config from dicts, files and `--set` overrides is `config_load`.
 """
@@ -13,11 +13,11 @@ import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+
+from dynaresize.errors import FieldErrors as _Errors  # noqa: F401  (config_load's collector, by its old name)
+from dynaresize.types import FAULT_KINDS, FAULT_POINTS, FaultSpec, parse_fault, parse_schedule  # noqa: F401
 
 POLICY_NAMES = ("hysteresis", "static", "static-profiled", "greedy", "lend", "scripted")
-FAULT_KINDS = ("kill", "stop", "node")  # node: the whole Ray node hosting DEVICE dies (docs/faults.md)
-FAULT_POINTS = ("rollout", "train", "weight_sync", "resize.reshard", "resize.switch")
 LOG_BACKENDS = ("jsonl", "tensorboard", "wandb", "mlflow")  # jsonl (records.jsonl) is always on
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray placement-group strategies
 
@@ -211,8 +211,7 @@ ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_ba
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
-    """The RL algorithm's choices with verl's names (`algorithm.*`): the advantage estimator and
-    DAPO's dynamic sampling (verl's `algorithm.filter_groups.enable/metric/max_num_gen_batches`)."""
+    """verl's `algorithm.*`: the advantage estimator, DAPO's dynamic sampling (cross-checks: config_load)."""
 
     adv_estimator: str = "grpo"  # grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline (rl/advantages.py)
     filter_groups: bool = False  # dynamic sampling: drop groups whose filter_metric is constant, generate more
@@ -224,18 +223,15 @@ class AlgorithmConfig:
                  f"must be one of {', '.join(ADV_ESTIMATORS)}")
         err.need(bool(self.filter_metric.strip()), "filter_metric", self.filter_metric,
                  "must name a metric: reward, score or a key the reward function returns")
-        err.need(self.max_num_gen_batches >= 0, "max_num_gen_batches", self.max_num_gen_batches,
-                 "must be >= 0 (0: no cap)")
-        if not self.filter_groups:
-            for name in ("filter_metric", "max_num_gen_batches"):
-                err.need(getattr(self, name) == getattr(AlgorithmConfig, name), name, getattr(self, name),
-                         "only used with algorithm.filter_groups=true")
+        err.need(self.max_num_gen_batches >= 0, "max_num_gen_batches", self.max_num_gen_batches, "must be >= 0 (0: no cap)")
+        for name in () if self.filter_groups else ("filter_metric", "max_num_gen_batches"):
+            err.need(getattr(self, name) == getattr(AlgorithmConfig, name), name, getattr(self, name),
+                     "only used with algorithm.filter_groups=true")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
-    """Reward shaping (`reward.*`): DAPO's soft overlong punishment (verl's
-    `reward_model.overlong_buffer.enable/len/penalty_factor`)."""
+    """Reward shaping: DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`)."""
 
     overlong_buffer_len: int = 0  # the last this-many tokens of max_new_tokens are penalised linearly; 0: off
     overlong_penalty_factor: float = 1.0  # the penalty at max_new_tokens
@@ -384,24 +380,6 @@ class RunConfig:
         t = self.train
         err.need(self.rollout.samples_per_prompt != 1, "rollout.samples_per_prompt", 1, "must be >= 2 for GRPO: " + (
             "train.norm_adv_by_std=True divides by the group's std" if t.norm_adv_by_std else "r - group mean is 0"))
-        if self.algorithm.adv_estimator != "grpo":  # the group std is GRPO's alone
-            est = self.algorithm.adv_estimator
-            err.need(t.norm_adv_by_std, "train.norm_adv_by_std", t.norm_adv_by_std,
-                     f"only grpo divides by the group std (algorithm.adv_estimator={est}): leave it true")
-            err.need(t.adv_std == TrainConfig.adv_std, "train.adv_std", t.adv_std,
-                     f"only grpo divides by the group std (algorithm.adv_estimator={est}): leave it unset")
-        al, rc, ob = self.algorithm, self.rollout, self.reward.overlong_buffer_len
-        if al.filter_groups:
-            err.need(t.staleness <= 1, "algorithm.filter_groups", True,
-                     "needs train.staleness 0 or 1 (the streaming pipeline does not filter groups)")
-            err.need(self.cluster.emulate is None, "algorithm.filter_groups", True,
-                     "not with cluster.emulate (the emulator paces steps of rollout.prompts_per_step groups; "
-                     "`dynaresize simulate --workload dapo-filter` models dynamic sampling)")
-        else:
-            err.need(rc.gen_prompts_per_step == 0, "rollout.gen_prompts_per_step", rc.gen_prompts_per_step,
-                     "only used with algorithm.filter_groups=true")
-        err.need(ob <= rc.max_new_tokens, "reward.overlong_buffer_len", ob,
-                 f"must be <= rollout.max_new_tokens ({rc.max_new_tokens}): the buffer is the budget's last tokens")
         if t.lr_schedule != "constant":
             err.need(self.steps > t.warmup_steps, "train.warmup_steps", t.warmup_steps,
                      f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")
@@ -417,50 +395,3 @@ class RunConfig:
                      f"min_rollout + min_train ({p.min_rollout}+{p.min_train}) exceeds devices ({c.devices})")
             err.need(all(r < c.devices for r in p.allowed_rollout), "policy.allowed_rollout",
                      ",".join(map(str, p.allowed_rollout)), f"every split must leave a trainer (< devices {c.devices})")
-
-
-
-def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
-    """"2:3,4:1" -> ((2, 3), (4, 1)): before step 2 the rollout pool has 3 devices, ..."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        step_s, sep, r_s = part.partition(":")
-        if not sep or not step_s.strip().isdigit() or not r_s.strip().isdigit():
-            raise ValueError(f"entry {part!r} is not STEP:R")
-        out.append((int(step_s), int(r_s)))
-    if [s for s, _ in out] != sorted({s for s, _ in out}):
-        raise ValueError("steps must be strictly increasing")
-    return tuple(out)
-
-
-@dataclass(frozen=True, kw_only=True)
-class FaultSpec:
-    kind: str
-    device: int
-    point: str
-    step: int
-
-
-def parse_fault(text: str) -> FaultSpec:
-    """"kill:1@train:3" -> FaultSpec(kind="kill", device=1, point="train", step=3)."""
-    head, at, tail = text.partition("@")
-    kind, _, dev = head.partition(":")
-    point, _, step = tail.rpartition(":")
-    if not at or kind not in FAULT_KINDS or not dev.isdigit() or point not in FAULT_POINTS or not step.isdigit():
-        raise ValueError(f"expected KIND:DEVICE@POINT:STEP with KIND in {FAULT_KINDS} and POINT in {FAULT_POINTS}")
-    return FaultSpec(kind=kind, device=int(dev), point=point, step=int(step))
-
-
-class _Errors:
-    """Collects `path: value: message` lines while a config is built."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.prefix = ""
-
-    def add(self, name: str, value: Any, message: str) -> None:
-        self.lines.append(f"{self.prefix}{name}={value!r}: {message}")
-
-    def need(self, ok: bool, name: str, value: Any, message: str) -> None:
-        if not ok:
-            self.add(name, value, message)

@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from dynaresize.config import RunConfig, TaskConfig, _Errors
+from dynaresize.config import RunConfig, TaskConfig, TrainConfig, _Errors
 from dynaresize.emulate.check import check_config
 from dynaresize.errors import ConfigError
 from dynaresize.rl.dataset import ROLES as DATASET_ROLES
@@ -149,11 +149,33 @@ def build_config(data: dict, cls: type = RunConfig) -> Any:
             err.add(path, value, message)
         if cfg.model.path is not None and (problem := model_path_problem(cfg.model.path)):
             err.add("model.path", cfg.model.path, problem)  # the folder's files (rl/model_path.py)
-        for path, value, message in check_task(cfg):
+        for path, value, message in check_task(cfg) + check_algorithm(cfg):
             err.add(path, value, message)
     if err.lines:
         raise ConfigError(err.lines)
     return cfg
+
+
+def check_algorithm(cfg: RunConfig) -> list[tuple[str, Any, str]]:
+    """(path, value, message) for each `algorithm.*` / `reward.*` setting another section
+    contradicts (rl/advantages.py, rl/dapo.py)."""
+    out: list[tuple[str, Any, str]] = []
+    t, al, rc, ob = cfg.train, cfg.algorithm, cfg.rollout, cfg.reward.overlong_buffer_len
+    if al.adv_estimator != "grpo":  # the group std is GRPO's alone
+        why = f"only grpo divides by the group std (algorithm.adv_estimator={al.adv_estimator})"
+        if not t.norm_adv_by_std:
+            out.append(("train.norm_adv_by_std", t.norm_adv_by_std, f"{why}: leave it true"))
+        if t.adv_std != TrainConfig.adv_std:
+            out.append(("train.adv_std", t.adv_std, f"{why}: leave it unset"))
+    if al.filter_groups and cfg.cluster.emulate is not None:
+        out.append(("algorithm.filter_groups", True, "not with cluster.emulate (the emulator paces steps of "
+                    "rollout.prompts_per_step groups; `dynaresize simulate --workload dapo-filter` models dynamic sampling)"))
+    if not al.filter_groups and rc.gen_prompts_per_step:
+        out.append(("rollout.gen_prompts_per_step", rc.gen_prompts_per_step, "only used with algorithm.filter_groups=true"))
+    if ob > rc.max_new_tokens:
+        out.append(("reward.overlong_buffer_len", ob, f"must be <= rollout.max_new_tokens ({rc.max_new_tokens}): "
+                    "the buffer is the budget's last tokens"))
+    return out
 
 
 def check_task(cfg: RunConfig) -> list[tuple[str, Any, str]]:

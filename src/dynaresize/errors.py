@@ -7,6 +7,8 @@ without a traceback.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DynaresizeError(Exception):
     """Base of every error this package raises on purpose."""
@@ -61,3 +63,18 @@ class WorkerLost(DynaresizeError):
 
     def __reduce__(self):
         return (type(self), (self.device, self.where))
+
+
+class FieldErrors:
+    """Collects `path=value: message` lines while a config is built (`config`, `config_load`)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.prefix = ""
+
+    def add(self, name: str, value: Any, message: str) -> None:
+        self.lines.append(f"{self.prefix}{name}={value!r}: {message}")
+
+    def need(self, ok: bool, name: str, value: Any, message: str) -> None:
+        if not ok:
+            self.add(name, value, message)

@@ -228,3 +228,40 @@ class ResizePlan:
     to_role: Role
     ops: tuple[Op, ...] = field(default=())
     reason: str = ""
+
+
+# ------------------------------------------------------------------ string formats of config fields
+
+FAULT_KINDS = ("kill", "stop", "node")  # node: the whole Ray node hosting DEVICE dies (docs/faults.md)
+FAULT_POINTS = ("rollout", "train", "weight_sync", "resize.reshard", "resize.switch")
+
+
+def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
+    """"2:3,4:1" -> ((2, 3), (4, 1)): before step 2 the rollout pool has 3 devices, ..."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        step_s, sep, r_s = part.partition(":")
+        if not sep or not step_s.strip().isdigit() or not r_s.strip().isdigit():
+            raise ValueError(f"entry {part!r} is not STEP:R")
+        out.append((int(step_s), int(r_s)))
+    if [s for s, _ in out] != sorted({s for s, _ in out}):
+        raise ValueError("steps must be strictly increasing")
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    kind: str
+    device: int
+    point: str
+    step: int
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """"kill:1@train:3" -> FaultSpec(kind="kill", device=1, point="train", step=3)."""
+    head, at, tail = text.partition("@")
+    kind, _, dev = head.partition(":")
+    point, _, step = tail.rpartition(":")
+    if not at or kind not in FAULT_KINDS or not dev.isdigit() or point not in FAULT_POINTS or not step.isdigit():
+        raise ValueError(f"expected KIND:DEVICE@POINT:STEP with KIND in {FAULT_KINDS} and POINT in {FAULT_POINTS}")
+    return FaultSpec(kind=kind, device=int(dev), point=point, step=int(step))

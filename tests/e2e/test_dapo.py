@@ -5,7 +5,7 @@
   with their reason and their overlong penalty, the ledger ok, a move each way.
 - A deterministic run with filtering on and scripted moves each way equals the static run:
   the same generation batches, the same kept and filtered groups, the same tokens of every
-  sample, parameters within 1e-6 (one-step off; streaming refuses filtering).
+  sample, parameters within 1e-6, one-step off and streaming (staleness 2).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_dapo_preset_filters_groups_and_moves_each_way(ray_local, tmp_path, monk
         assert s["overlong_penalty"] == pytest.approx(min(0.0, -(s["num_tokens"] - 8) / 24))
 
 
-def _cfg(policy: dict):
+def _cfg(policy: dict, staleness: int = 1):
     return build_config(merge(preset("cpu"), {
         "steps": 4, "deterministic": True,
         "cluster": {"devices": 3, "rollout_devices": 1},
@@ -56,7 +56,7 @@ def _cfg(policy: dict):
                     "synthetic_lengths": True, "length_workload": "dapo-qwen3-8b", "gen_prompts_per_step": 2},
         "algorithm": {"filter_groups": True, "filter_metric": "reward"},
         "reward": {"overlong_buffer_len": 6},
-        "train": {"lr": 1e-2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
+        "train": {"lr": 1e-2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "staleness": staleness},
         "policy": policy,
     }))
 
@@ -67,10 +67,11 @@ def _weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "checkpoint" / "model.safetensors"))
 
 
-@pytest.mark.slow  # two 4-step runs on 3 devices, ~1 min
-def test_deterministic_run_with_filtering_and_moves_equals_the_static_run(ray_local, tmp_path):
-    s1 = run_job(_cfg({"name": "scripted", "schedule": "1:2,3:1"}), tmp_path / "moved", progress=False)
-    s2 = run_job(_cfg({"name": "static:1"}), tmp_path / "static", progress=False)
+@pytest.mark.slow  # two 4-step runs on 3 devices, ~1 min each staleness
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_deterministic_run_with_filtering_and_moves_equals_the_static_run(ray_local, tmp_path, staleness):
+    s1 = run_job(_cfg({"name": "scripted", "schedule": "1:2,3:1"}, staleness), tmp_path / "moved", progress=False)
+    s2 = run_job(_cfg({"name": "static:1"}, staleness), tmp_path / "static", progress=False)
     assert s1["ledger_ok"] and s2["ledger_ok"], (s1["ledger_problems"], s2["ledger_problems"])
     assert s1["resizes_to_rollout"] == 1 and s1["resizes_to_train"] == 1 and s2["resizes"] == 0
     moved = sorted(records(tmp_path / "moved", "step"), key=lambda r: r["step"])
@@ -84,6 +85,6 @@ def test_deterministic_run_with_filtering_and_moves_equals_the_static_run(ray_lo
     assert fate(tmp_path / "moved") == fate(tmp_path / "static")
     a, b = _weights(tmp_path / "moved"), _weights(tmp_path / "static")
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
-    print(f"\nDAPO filtering: gen_batches {[r['gen_batches'] for r in moved]}, filtered "
+    print(f"\nDAPO filtering, staleness {staleness}: gen_batches {[r['gen_batches'] for r in moved]}, filtered "
           f"{[r['groups_filtered'] for r in moved]}; max |moved - static| parameter difference {worst:.3g}")
     assert worst <= 1e-6

@@ -1002,8 +1002,11 @@ EVIDENCE: dict[str, tuple] = {
                       Refused("population", "train.adv_std='population': only grpo divides by the group std",
                               base={"algorithm": {"adv_estimator": "rloo"}})),
     "algorithm.filter_groups": (Probe(True, _dynamic_sampling),
-                                Refused(True, "algorithm.filter_groups=True: needs train.staleness 0 or 1",
-                                        base={"train": {"staleness": 2}}),
+                                Runtime("tests/e2e/test_dapo.py::"
+                                        "test_deterministic_run_with_filtering_and_moves_equals_the_static_run",
+                                        "with filtering on, one-step off and at staleness 2, a deterministic run "
+                                        "with moves each way has steps of 2+ generation batches and equals the "
+                                        "static run (every sample's fate and tokens, parameters within 1e-6)"),
                                 Refused(True, "algorithm.filter_groups=True: not with cluster.emulate",
                                         base={"cluster": {"emulate": "a100:7b", "rollout_devices": 2}}),
                                 Runtime("tests/e2e/test_dapo.py::test_dapo_preset_filters_groups_and_moves_each_way",

@@ -127,3 +127,16 @@ def test_a_surplus_beyond_the_step_is_dropped_as_filtered():
 def test_a_named_metric_the_reward_lacks_is_a_config_error():
     kind, message = scored_with_filter(_cfg(FILTER, {"algorithm": {"filter_metric": "acc"}}))
     assert kind == "ConfigError" and "algorithm.filter_metric='acc': sample 0-0-0 has no such metric" in message
+
+
+def test_a_steps_further_batch_is_queued_ahead_of_later_steps():
+    from dynaresize.pipeline.streamplan import StreamQueue
+
+    q = StreamQueue(eta=2)
+    q.release(3, ["a", "b"])
+    q.release(4, ["c"])
+    q.release_more(3, ["d", "e"])
+    assert list(q.queue) == [(3, "a"), (3, "b"), (3, "d"), (3, "e"), (4, "c")]
+    assert q.outstanding == {3: 4, 4: 1} and not q.complete(3)
+    with pytest.raises(ValueError, match="step 7 is not released"):
+        q.release_more(7, ["x"])

@@ -111,6 +111,12 @@ class StreamRouter:
         # a resumed run's step may already hold the samples its checkpoint kept
         self.buffers.setdefault(step, StepRollout(step=step, remaining=[], t0=time.time()))
 
+    def release_more(self, step: int, groups: list[list[Any]]) -> None:
+        """Queue more groups of a released step (dynamic sampling), ahead of later steps."""
+        items = self.cluster.pacing.rollout_chunks(step, groups, max(1, len(self.cluster.replicas())), stream=True)
+        self.items_per_step[step] = self.items_per_step.get(step, 0) + len(items)
+        self.queue.release_more(step, items)
+
     def set_engines(self, devices, version: int) -> None:
         """The replicas of the current assignment that hold `devices` serve from now on."""
         want = set(devices)

@@ -14,6 +14,10 @@ balances, and overlaps training as the first batch does. The thread writes only 
 of the step it fills (the main thread meanwhile consumes the step before it); its engine
 calls' `span` records are written when it is joined.
 
+Streaming (`train.staleness >= 2`, driver/streaming.py `_filtered`): the window that trains
+step k scores its groups as they complete (`add_part`) and releases its next batch to the
+router (`next_batch`) ahead of later steps, under step k's own version, until P groups are kept.
+
 Invariants: a step's generation batches, their prompts and sample ids are a function of
 (seed, step, batch) and of the rewards, never of devices, so a deterministic run with resizes
 filters exactly as the static run. Each sample is generated and scored once: a window redone
@@ -71,14 +75,21 @@ class DynamicSampling:
         self.spans = []
         return self.run.cluster.submit(self.complete, step, quiet=True)
 
-    def join(self, future: Future) -> None:
-        """Wait for `complete_async` (its errors raise here) and record its engine calls."""
+    def join(self, future: Future, step: int) -> None:
+        """Wait for `complete_async` (its errors raise here), record its engine calls, and
+        complete what a lost device left of `step` on this thread (a loss raises here)."""
         try:
             future.result()
         finally:
             run, spans, self.spans = self.run, self.spans, []
             for d, t0, t1 in spans:
                 run.rec.emit("span", device=d, name="rollout", start_s=run.rel(t0), end_s=run.rel(t1))
+        self.complete(step)
+
+    def score(self, step: int, results: Any, ledger: Any) -> ScoredStep:
+        """`Job.score`'s place in the window: the step's chosen groups (`results` and `ledger`
+        are the run's own, read through the run)."""
+        return self.scored(step)
 
     def _send(self, step: int, quiet: bool) -> Any:
         """The step's issued batches, sent (what is left of them); `quiet`: on a driver thread,
@@ -94,34 +105,49 @@ class DynamicSampling:
             self.spans += buf.absorb(outcome)
         return buf
 
-    def complete(self, step: int, quiet: bool = False) -> None:
-        """Generate and score `step`'s batches until P groups are kept (or stop at the cap)."""
-        run, cfg = self.run, self.run.cfg
+    def state(self, step: int) -> _StepState:
         st = self.steps.get(step)
         if st is None:
+            cfg = self.run.cfg
             st = self.steps[step] = _StepState(GroupFilter(step=step, target=cfg.rollout.prompts_per_step,
                                                            max_batches=cfg.algorithm.max_num_gen_batches, batches=1))
+        return st
+
+    def add_part(self, step: int, results: list) -> None:
+        """Score whole prompt groups of the step and filter them."""
+        run, st = self.run, self.state(step)
+        part = run.job.score_part(step, results, run.ledger)
+        st.parts.append(part)
+        st.scored_ids |= set(part.values)
+        st.filter.add(run.job.filter_values(part), run.cfg.algorithm.filter_metric)
+
+    def next_batch(self, step: int, send: Any) -> None:
+        """Issue the step's next generation batch (`send(groups)`), or stop at the cap."""
+        st = self.state(step)
+        if st.filter.capped:
+            raise FilterCapError(st.filter.cap_message())
+        st.filter.batches += 1
+        self.run._expect(step)
+        send(self.run.job.requests(step, st.filter.batches - 1))
+
+    def complete(self, step: int, quiet: bool = False) -> None:
+        """Generate and score `step`'s batches until P groups are kept (or stop at the cap)."""
+        st = self.state(step)
         while True:
             buf = self._send(step, quiet)  # sends what is left of the issued batches
             if buf.remaining:  # a device was lost (driver thread): the window's recovery goes on
                 return
             new = [(d, r) for d, r in buf.results if r.sample_id not in st.scored_ids]
             if new:
-                part = run.job.score_part(step, new, run.ledger)
-                st.parts.append(part)
-                st.scored_ids |= set(part.values)
-                st.filter.add(run.job.filter_values(part), cfg.algorithm.filter_metric)
+                self.add_part(step, new)
             if st.filter.full:
                 return
-            if st.filter.capped:
-                raise FilterCapError(st.filter.cap_message())
-            st.filter.batches += 1
-            run._expect(step)
-            buf.remaining = run.job.requests(step, st.filter.batches - 1)
+            self.next_batch(step, lambda groups: setattr(buf, "remaining", groups))
 
     def scored(self, step: int) -> ScoredStep:
         """The step's train samples: its chosen groups, the others dropped in the ledger."""
         self.complete(step)
+        self.prune(step)
         run, st = self.run, self.steps[step]
         f = st.filter
         chosen = set(f.chosen)

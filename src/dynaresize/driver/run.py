@@ -14,10 +14,6 @@ The same `Controller` drives the simulator; both emit the same records (docs/rec
 Semantics (README.md, "How it works") are kept by `Job` (what to generate and how to score is a
 function of sample ids only) and proven by the `Ledger`, whose verdict is `ledger_ok`.
 
-Dynamic sampling (`algorithm.filter_groups`, driver/dynamic_sampling.py): a step's rollout is
-complete once it holds enough prompt groups with signal; step k+1's generation batches, scored
-one by one, all run on a driver thread overlapping training k, before the sync.
-
 Faults (docs/faults.md): a window is a list of phases (`stepstate.Window`); a lost device
 interrupts it with `DevicesLost`, `Recovery` re-forms the cluster on the survivors and restores
 the last snapshot, and the window goes on with the phases not done. Checkpoints (periodic,
@@ -42,6 +38,7 @@ from dynaresize.control.state import Refusal
 from dynaresize.driver.checkpointing import (Checkpointer, ResumePoint, end_partial_line, resume_records,
                                              stream_versions)
 from dynaresize.driver.console import progress_bar, say
+from dynaresize.driver.dynamic_sampling import DynamicSampling
 from dynaresize.driver.evaluation import Evaluator
 from dynaresize.driver.job import Job, ScoredStep
 from dynaresize.driver.ledger import Ledger, sample_record
@@ -105,15 +102,10 @@ class Run(StepReporting):
         self.last_critical_s: float | None = None
         self.engine_version = rollout_version(self.start_step, cfg.train.staleness)  # what rollout devices hold
         self.recovery, self.ckpt = Recovery(self), Checkpointer(self)
-        self.dyn = None
-        if cfg.algorithm.filter_groups:  # dynamic sampling (driver/dynamic_sampling.py)
-            from dynaresize.driver.dynamic_sampling import DynamicSampling
-
-            self.dyn = DynamicSampling(self)
+        self.dyn = DynamicSampling(self) if cfg.algorithm.filter_groups else None  # DAPO's dynamic sampling
         self.stream = None
         if cfg.train.staleness >= 2:  # the streaming pipeline (driver/streaming.py)
             from dynaresize.driver.streaming import Streaming
-
             self.stream = Streaming(self)
 
     def _controller(self, state: dict) -> tuple[Controller, Assignment]:
@@ -200,27 +192,18 @@ class Run(StepReporting):
         self._prune(step)
         self._expect(step)
         if w.scored is None:
-            w.scored = self.dyn.scored(step) if self.dyn else self.job.score(step, self._rollout(step).results,
-                                                                             self.ledger)
+            w.scored = (self.dyn or self.job).score(step, self._rollout(step).results, self.ledger)
         if nxt:
             self._expect(step + 1)
-        filling = overlap and self.dyn is not None  # dynamic sampling: step+1's batches until its groups are in
-        if filling:
-            self._engines_at(rollout_version(step + 1, cfg.train.staleness))
-        future = (self.dyn.complete_async(step + 1) if filling else self._rollout_async(step + 1)) if overlap else None
+        future = self._rollout_async(step + 1) if overlap else None
         try:
             if w.trained is None:
                 w.trained = self._train(step, w.scored)
             self._finish_pending()
         finally:
             if future is not None:  # the sync needs the overlapped rollout done: its samples
-                if filling:  # all come from the weights it started with
-                    self.dyn.join(future)
-                else:
-                    self._absorb(step + 1, future.result())
+                self.dyn.join(future, step + 1) if self.dyn else self._absorb(step + 1, future.result())
         self.cluster.raise_if_lost(f"step {step}")
-        if filling and w.synced is None:  # what a lost device left of step+1, same weights
-            self.dyn.complete(step + 1)
         if w.synced is None:
             w.synced = self.cluster.sync_weights(version=step + 1, step=step)
             self.engine_version = step + 1
@@ -247,8 +230,6 @@ class Run(StepReporting):
             del self.snapshots[v]
         for s in [s for s in self.rollouts if s < step]:
             del self.rollouts[s]
-        if self.dyn:
-            self.dyn.prune(step)
 
     def _buffer(self, step: int) -> StepRollout:
         if step not in self.rollouts:
@@ -266,10 +247,10 @@ class Run(StepReporting):
 
     def _rollout_async(self, step: int) -> Any:
         buf = self._buffer(step)
-        if buf.done:
+        if buf.done and not self.dyn:
             return None
-        self._engines_at(rollout_version(step, self.cfg.train.staleness))
-        return self.cluster.rollout_async(step, buf.remaining)
+        self._engines_at(rollout_version(step, self.cfg.train.staleness))  # dynamic sampling: every batch of it
+        return self.dyn.complete_async(step) if self.dyn else self.cluster.rollout_async(step, buf.remaining)
 
     def _engines_at(self, version: int) -> None:
         """Rollout devices hold `version` before a rollout that needs it: after the sync they

@@ -23,6 +23,11 @@ Bounds (pipeline/streamplan.py states and checks them): in window k at most eta+
 (k .. k+eta) and buffered unconsumed; engines generate with versions max(0, k-eta) .. k; the
 driver keeps the weights of versions max(0, k-eta) .. k+1.
 
+Dynamic sampling (`algorithm.filter_groups`, driver/dynamic_sampling.py): the window that
+trains step k scores its groups as they arrive and, while it has too few kept groups, releases
+the step's next generation batch (`StreamRouter.release_more`: ahead of later steps' items,
+under step k's version); the step is trained in one part once filtered.
+
 Resizes (the same controller, plan and ops): an engine leaving the rollout pool hands its
 requests in flight to the remaining replicas in the plan's `migrate_requests` op (same sample
 ids and seeds; with their prefix under partial rollout); the resize record counts them
@@ -51,6 +56,7 @@ from dynaresize.driver.accumulate import StepAccumulator
 from dynaresize.pipeline.concurrency import concurrency_summary
 from dynaresize.pipeline.stepstate import StepRollout, Window
 from dynaresize.pipeline.streamplan import released_through
+from dynaresize.rl import grpo
 from dynaresize.types import ROLLOUT, ResizePlan
 
 
@@ -129,6 +135,8 @@ class Streaming:
         group once complete, hand each micro-batch to the trainers once its groups are scored,
         the optimizer step with the last one. Returns the scored step and the last call's stats."""
         run = self.run
+        if run.dyn is not None:  # dynamic sampling: the step's groups are known once filtered
+            return self._filtered(step, pump)
         acc = self.accs.get(step)
         if acc is None:
             acc = self.accs[step] = StepAccumulator(step, self.expected.pop(step),
@@ -159,6 +167,41 @@ class Streaming:
             for o in out:  # the last call's spans come with the step's (`Run._trained`)
                 run.rec.emit("span", device=o["device"], name="train", start_s=run.rel(o["t0"]),
                              end_s=run.rel(o["t1"]), step=step)
+
+    def _filtered(self, step: int, pump: Any) -> tuple[Any, list[dict]]:
+        """Step `step` under dynamic sampling (driver/dynamic_sampling.py): score each prompt
+        group once complete, release the step's next generation batch to the router (ahead of
+        later steps, under the step's own weight version) while fewer than P groups are kept and
+        every issued group is scored; then train the kept groups in one part."""
+        run, dyn = self.run, self.run.dyn
+        self.expected.pop(step, None)
+        k = run.cfg.rollout.samples_per_prompt
+        while True:
+            if pump.done():  # the router's thread ended before step `step` was in: its error
+                pump.result()
+                raise RuntimeError(f"streaming window {step}: the rollout thread stopped early")
+            st = dyn.state(step)
+            groups: dict = {}
+            for d, res in run.rollouts[step].results:
+                if res.sample_id not in st.scored_ids:
+                    groups.setdefault(res.sample_id[1], []).append((d, res))
+            new = [x for g in groups.values() if len(g) == k for x in g]
+            if new:
+                dyn.add_part(step, new)
+            issued = st.filter.batches * run.job.gen_prompts
+            if len(st.filter.seen) < issued:  # the issued batches are not all in yet
+                if not new:
+                    time.sleep(WAKE_S)
+                continue
+            if st.filter.full:
+                break
+            dyn.next_batch(step, lambda groups: self.router.release_more(step, groups))
+        scored = dyn.scored(step)
+        mbs = grpo.micro_batches(scored.samples, run.cfg.train.micro_batch_size)
+        out = run.cluster.train_part(step, list(enumerate(mbs)), begin=True, num_micro_batches=len(mbs),
+                                     total_tokens=grpo.total_response_tokens(scored.samples))
+        self.train_parts[step] = [(min(o["t0"] for o in out), max(o["t1"] for o in out))]
+        return scored, out
 
     def train_times(self, step: int, num_train: int) -> tuple[float, float, float]:
         """(training seconds, training device-seconds, seconds trained after the step's last

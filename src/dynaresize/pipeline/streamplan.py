@@ -86,6 +86,16 @@ class StreamQueue:
         self.outstanding[step] = len(items)
         self.queue.extend((step, item) for item in items)
 
+    def release_more(self, step: int, items: list[Any]) -> None:
+        """More items of a released step (dynamic sampling's further generation batches): queued
+        before every later step's items, so the queue stays in ascending step order."""
+        if step not in self.outstanding:
+            raise ValueError(f"step {step} is not released")
+        self.outstanding[step] += len(items)
+        at = next((i for i, (s, _) in enumerate(self.queue) if s > step), len(self.queue))
+        for j, item in enumerate(items):
+            self.queue.insert(at + j, (step, item))
+
     def released(self, step: int) -> bool:
         return step in self.outstanding
 
