@@ -57,6 +57,7 @@ test-faults: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/dynaresize bench sim --out bench-out/sim
 	$(VENV)/bin/dynaresize bench resize --out bench-out/resize
+	$(VENV)/bin/dynaresize bench rollout --out bench-out/rollout
 	$(VENV)/bin/dynaresize bench checkpoint --out bench-out/checkpoint
 
 clean:

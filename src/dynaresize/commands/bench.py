@@ -1,9 +1,11 @@
-"""`dynaresize bench {sim,resize,checkpoint}`: benchmarks.
+"""`dynaresize bench {sim,resize,rollout,checkpoint}`: benchmarks.
 
 - `bench sim`: wall time of one policy simulated on a large cluster (default 1,024 devices x
   1,000 steps of longtail-drift, hysteresis). Writes DIR/bench_sim.json when --out is given.
 - `bench resize`: measured resize costs on real workers; implemented in
   `dynaresize.commands.bench_resize` (imported only when asked for).
+- `bench rollout`: the runtime's rollout path against one vLLM engine's own generate over the
+  same requests (`dynaresize.commands.bench_rollout`).
 - `bench checkpoint`: a streaming checkpoint's seconds and bytes against a step's time, on real
   workers (`dynaresize.commands.bench_checkpoint`).
 """
@@ -41,6 +43,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="override one run-config field, e.g. --set rollout.engine=vllm (repeatable)")
     r.set_defaults(func=main)
 
+    o = actions.add_parser("rollout", help="the runtime's rollout path against one vLLM engine's own generate")
+    o.add_argument("--steps", type=int, default=4, help="steps of the run (its windows 0..steps-2 are measured)")
+    o.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    o.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    o.add_argument("--max-new-tokens", type=int, default=128, help="response budget (lengths forced below it)")
+    o.add_argument("--out", metavar="DIR", default=None, help="output directory (DIR/bench-rollout.json)")
+    o.set_defaults(func=main)
+
     c = actions.add_parser("checkpoint", help="a streaming checkpoint's seconds and bytes, as a ratio to a step's time")
     c.add_argument("--params", type=float, default=4e7, help="model parameters (default ~40M)")
     c.add_argument("--steps", type=int, default=4, help="steps of the streaming run (a checkpoint after each)")
@@ -51,6 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.action == "sim":
         return bench_sim(args)
+    if args.action == "rollout":
+        return int(importlib.import_module("dynaresize.commands.bench_rollout").main(args) or 0)
     if args.action == "checkpoint":
         return int(importlib.import_module("dynaresize.commands.bench_checkpoint").main(args) or 0)
     return int(importlib.import_module("dynaresize.commands.bench_resize").main(args) or 0)
