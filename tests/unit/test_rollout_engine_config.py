@@ -220,3 +220,30 @@ def test_kv_budget_arithmetic():
     assert kv_problem(None, 57344, 10**6) is None  # vLLM sizes it and checks itself
     assert kv_problem(57344 * 100, 57344, 100) is None
     assert "holds 99 tokens" in kv_problem(57344 * 100 - 1, 57344, 100)
+
+
+def test_cuda_engine_arguments_tp_all_reduce_and_graphs(have_vllm):
+    """On CUDA a TP rank turns vLLM's custom all-reduce off (each rank's actor sees only its own
+    GPU, so the peers' buffers it would open by TP rank are not visible) and CUDA graphs are on
+    unless deterministic; on the CPU the engine stays eager and the all-reduce is left alone."""
+    pytest.importorskip("torch")
+    from unittest import mock
+
+    from dynaresize.roles import vllm_tp
+    from dynaresize.roles.base import TPPlacement
+    from dynaresize.roles.rollout_vllm import VLLMRolloutEngine
+
+    tp = TPPlacement(size=2, rank=1, master_addr="127.0.0.1", master_port=29555)
+    cfg = build_config({"rollout": {"engine": "vllm"}})
+    det = build_config({"rollout": {"engine": "vllm"}, "deterministic": True})
+    assert vllm_tp.tp_engine_kwargs(tp, cuda=True)["disable_custom_all_reduce"] is True
+    assert "disable_custom_all_reduce" not in vllm_tp.tp_engine_kwargs(tp, cuda=False)
+    assert vllm_tp.tp_engine_kwargs(None, cuda=True) == {}  # one rank: nothing to all-reduce
+    cpu = factory.rollout_engine_from_config(cfg, tp=tp).engine_kwargs()
+    assert cpu["enforce_eager"] is True and "disable_custom_all_reduce" not in cpu
+    with mock.patch.object(VLLMRolloutEngine, "_sleep_mode", staticmethod(lambda: True)), \
+            mock.patch.object(vllm_tp, "_cuda", lambda: True):
+        cuda = factory.rollout_engine_from_config(cfg, tp=tp).engine_kwargs()
+        cuda_det = factory.rollout_engine_from_config(det, tp=tp).engine_kwargs()
+    assert cuda["disable_custom_all_reduce"] is True and cuda["tensor_parallel_size"] == 2
+    assert cuda["enforce_eager"] is False and cuda_det["enforce_eager"] is True

@@ -34,7 +34,8 @@ def rollout_engine_from_config(cfg: Any, tp: TPPlacement | None = None, **kwargs
         max_model_len = r.vllm_max_model_len or min(budget, max_positions(cfg.model))
         options = dict(max_num_seqs=r.vllm_max_num_seqs, max_model_len=max_model_len,
                        kv_cache_bytes=r.vllm_kv_cache_bytes, seed=cfg.seed,
-                       prefix_caching=not cfg.deterministic, dtype=base.engine_dtype(cfg),
+                       prefix_caching=not cfg.deterministic, cuda_graphs=not cfg.deterministic,
+                       dtype=base.engine_dtype(cfg),
                        gpu_memory_utilization=r.gpu_memory_utilization)
         return VLLMRolloutEngine(cfg.model, r.temperature, **{**options, **kwargs}, tp=tp)
     from dynaresize.roles.rollout_hf import HFRolloutEngine

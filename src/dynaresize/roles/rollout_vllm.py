@@ -57,10 +57,8 @@ from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_toke
 from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request
 from dynaresize.roles.vllm_weights import _rpc_digest, _rpc_kv_cache_bytes, _rpc_weight_shapes, load_into
 from dynaresize.roles.vllm_tp import check_placement, fixed_request_ids, tp_creation, tp_engine_kwargs
-from dynaresize.roles.vllm_world import destroy_vllm_world, install_safe_cleanup, internals_problem, tp_name_base
-from dynaresize.roles.vllm_world import vllm_world
-
-# ---------------------------------------------------------------- the engine
+from dynaresize.roles.vllm_world import (destroy_vllm_world, install_safe_cleanup, internals_problem, tp_name_base,
+                                         vllm_world)
 
 
 class VLLMRolloutEngine:
@@ -77,17 +75,17 @@ class VLLMRolloutEngine:
         prefix_caching: reuse the KV of shared prompt blocks (GRPO groups); off makes a
             sample's numerics independent of earlier requests (deterministic mode).
         load_chunk_bytes: weights per `reload_weights` call (whole layers); 0: one call.
-        warmup: run a two-token request at start, so one-off set-up costs of the first request
-            fall in `start`, not in the first rollout.
-        gpu_memory_utilization: on CUDA, the share of the device's memory the engine may use
-            (vLLM checks at start that this much is free); unused on CPU.
+        warmup: a two-token request at start (one-off costs fall in `start`, not the first rollout).
+        gpu_memory_utilization: CUDA: the share of the device the engine may use (checked free at start).
         tp: this engine's rank of a tensor-parallel replica (None or size 1: a whole engine).
+        cuda_graphs: CUDA: capture CUDA graphs (off in deterministic mode); eager on CPU always.
     """
 
     def __init__(self, model_cfg: ModelConfig, temperature: float, *, max_num_seqs: int = 64,
                  max_model_len: int = 0, kv_cache_bytes: int = 0, dtype: str = "float32",
                  seed: int = 0, prefix_caching: bool = True, load_chunk_bytes: int = 0,
-                 warmup: bool = True, gpu_memory_utilization: float = 0.85, tp: TPPlacement | None = None) -> None:
+                 warmup: bool = True, gpu_memory_utilization: float = 0.85, tp: TPPlacement | None = None,
+                 cuda_graphs: bool = True) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if max_num_seqs < 1:
@@ -108,7 +106,7 @@ class VLLMRolloutEngine:
         self.prefix_caching = bool(prefix_caching)
         self.load_chunk_bytes = int(load_chunk_bytes)
         self.gpu_memory_utilization = float(gpu_memory_utilization)
-        self.warmup = bool(warmup)
+        self.warmup, self.cuda_graphs = bool(warmup), bool(cuda_graphs)
         self.version = -1
         self.timings: dict[str, float] = {}  # seconds of the last start / load_weights / release
         self._llm: Any = None
@@ -270,7 +268,9 @@ class VLLMRolloutEngine:
             enable_chunked_prefill=False,  # a prompt is always prefilled whole: no split-dependent numerics
             enable_prefix_caching=self.prefix_caching,
             logprobs_mode="processed_logprobs",  # log_softmax(logits / temperature)
-            enforce_eager=True,  # no torch.compile / graph capture: seconds, not minutes, per start
+            # CUDA graphs on CUDA (an in-place reload keeps the weights' storage, so captured
+            # pointers stay valid) unless deterministic; eager on CPU: seconds, not minutes, per start
+            enforce_eager=not (self.cuda_graphs and self._sleep_mode()),
             disable_log_stats=True, **({"max_model_len": self.max_model_len} if self.max_model_len else {}))
         kwargs.update(tp_engine_kwargs(self.tp))  # a TP rank: tensor_parallel_size k, external launcher
         cache = kv_cache_bytes(self.kv_cache_bytes, cuda=self._sleep_mode())

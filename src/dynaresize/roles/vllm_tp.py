@@ -50,11 +50,17 @@ def check_placement(tp: TPPlacement | None) -> TPPlacement | None:
     return tp if tp.size > 1 else None
 
 
-def tp_engine_kwargs(tp: TPPlacement | None) -> dict[str, Any]:
-    """The `vllm.LLM` arguments of a TP rank (none for one rank)."""
+def tp_engine_kwargs(tp: TPPlacement | None, *, cuda: bool | None = None) -> dict[str, Any]:
+    """The `vllm.LLM` arguments of a TP rank (none for one rank). On CUDA vLLM's custom
+    all-reduce is off: it opens its peers' buffers by TP rank over CUDA IPC, and each of our
+    ranks is an actor that sees only its own GPU (cuda:0), so its peers are not visible to it;
+    the ranks all-reduce through NCCL instead."""
     if tp is None:
         return {}
-    return {"tensor_parallel_size": tp.size, "distributed_executor_backend": "external_launcher"}
+    kwargs: dict[str, Any] = {"tensor_parallel_size": tp.size, "distributed_executor_backend": "external_launcher"}
+    if _cuda() if cuda is None else cuda:
+        kwargs["disable_custom_all_reduce"] = True
+    return kwargs
 
 
 @contextmanager
