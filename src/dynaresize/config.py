@@ -150,8 +150,8 @@ class TrainConfig:
     kl_coef: float = 0.0
     micro_batch_size: int = 4  # samples per micro-batch; composition fixed by sample index
     staleness: int = 1  # 0 = synchronous; 1 = one-step off-policy; 2..MAX_STALENESS = streaming (docs/pipeline.md)
-    dtype: str = "fp32"  # compute dtype: fp32 | bf16 (master weights, gradients, reductions stay fp32)
-    activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
+    dtype: str = "auto"  # compute dtype: auto (bf16 on CUDA unless deterministic, else fp32) | fp32 | bf16
+    activation_checkpointing: bool | None = None  # recompute each block's activations in backward; None: on with CUDA
     logprob_chunk_tokens: int = 1024  # the loss's output head on this many response tokens at a time; 0: whole logits
     kl_estimator: str = "k3"  # k1 (log ratio) | k3 (low-variance, non-negative); used when kl_coef > 0
     lr_schedule: str = "constant"  # constant | linear | cosine (decay over the run's steps, after warmup)
@@ -179,7 +179,7 @@ class TrainConfig:
         err.need(self.micro_batch_size >= 1, "micro_batch_size", self.micro_batch_size, "must be >= 1")
         err.need(isinstance(self.staleness, int) and 0 <= self.staleness <= MAX_STALENESS, "staleness",
                  self.staleness, f"must be 0 (synchronous), 1 (one-step off) or 2..{MAX_STALENESS} (streaming)")
-        err.need(self.dtype in ("fp32", "bf16"), "dtype", self.dtype, "must be fp32 or bf16")
+        err.need(self.dtype in ("auto", "fp32", "bf16"), "dtype", self.dtype, "must be auto, fp32 or bf16")
         err.need(isinstance(self.logprob_chunk_tokens, int) and self.logprob_chunk_tokens >= 0,
                  "logprob_chunk_tokens", self.logprob_chunk_tokens, "must be an integer >= 0 (0: whole logits)")
         err.need(self.kl_estimator in ("k1", "k3"), "kl_estimator", self.kl_estimator, "must be k1 or k3")
@@ -375,8 +375,8 @@ class RunConfig:
         if self.deterministic:
             err.need(self.rollout.dtype in ("auto", "fp32"), "rollout.dtype", self.rollout.dtype,
                      "deterministic mode needs fp32 (auto gives it)")
-            err.need(self.train.dtype == "fp32", "train.dtype", self.train.dtype,
-                     "deterministic mode needs fp32 (bf16 rounding depends on how work is split)")
+            err.need(self.train.dtype in ("auto", "fp32"), "train.dtype", self.train.dtype,
+                     "deterministic mode needs fp32 (bf16 rounding depends on how work is split; auto gives fp32)")
         t = self.train
         err.need(self.rollout.samples_per_prompt != 1, "rollout.samples_per_prompt", 1, "must be >= 2 for GRPO: " + (
             "train.norm_adv_by_std=True divides by the group's std" if t.norm_adv_by_std else "r - group mean is 0"))

@@ -73,13 +73,14 @@ def test_rollout_version_rule():
 def test_step_rollout_gathers_attempts():
     buf = StepRollout(step=2, remaining=[["g0"], ["g1"]])
     first = SimpleNamespace(results=[(0, "r0")], calls=[(0, 1.0, 2.0)], busy_s={0: 1.0}, last_end={0: 2.0},
-                            t0=1.0, t1=2.5, remaining=[["g1"]], reissued=[(2, 1, 0)])
+                            t0=1.0, t1=2.5, remaining=[["g1"]], reissued=[(2, 1, 0)], requests=[(0, 1.0, 1.5)])
     second = SimpleNamespace(results=[(1, "r1")], calls=[(1, 3.0, 4.0)], busy_s={1: 1.0}, last_end={1: 4.0},
-                             t0=3.0, t1=4.0, remaining=[], reissued=[])
+                             t0=3.0, t1=4.0, remaining=[], reissued=[], requests=[(1, 3.0, 4.0)])
     buf.absorb(first)
     assert not buf.done
     buf.absorb(second)
     assert buf.done and buf.results == [(0, "r0"), (1, "r1")] and (buf.t0, buf.t1) == (1.0, 4.0)
+    assert buf.requests == [(0, 1.0, 1.5), (1, 3.0, 4.0)]  # every attempt's requests, for concurrency records
     assert buf.reissued == {(2, 1, 0)}
 
 

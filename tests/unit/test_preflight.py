@@ -51,8 +51,13 @@ def test_the_reader_counts_every_parameter_from_config_json_alone(qwen_dir):
     assert tiny.tie_word_embeddings and tiny.num_params == sum(p.numel() for p in build_model(ModelConfig()).parameters())
 
 
+# fp32 without activation checkpointing (the GPU defaults are bf16 with it: train.dtype auto)
+FP32 = ("--set", "train.dtype=fp32", "--set", "train.activation_checkpointing=false")
+
+
 def test_json_for_a_7b_on_eight_h100s(qwen_dir, capsys):
-    rc = cli.main(["preflight", "--set", f"model.path={qwen_dir}", "--devices", "8", "--accelerator", "h100", "--json"])
+    rc = cli.main(["preflight", "--set", f"model.path={qwen_dir}", "--devices", "8", "--accelerator", "h100", "--json",
+                   *FP32])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     n = out["model"]["num_params"]
@@ -64,14 +69,13 @@ def test_json_for_a_7b_on_eight_h100s(qwen_dir, capsys):
     assert four["parameters"] + four["gradients"] + four["moments"] == pytest.approx(16 * n / 4, abs=2)
     assert four["activations"] == out["activations_bytes"]["checkpointing_off"]  # train.activation_checkpointing off
     assert splits[4]["peak_bytes"]["train"] == pytest.approx(sum(four.values()), abs=8)
-    cfg, _ = preflight.resolve(_args("--set", f"model.path={qwen_dir}", "--devices", "8"))
+    cfg, _ = preflight.resolve(_args("--set", f"model.path={qwen_dir}", "--devices", "8", *FP32))
     for s in memory.plan_splits(QWEN2_7B, preflight.inputs_of(cfg), 80 * GB, num_devices=8, rollout_sizes=range(1, 8)):
         got = splits[s.train]
         assert (got["fits"], got["peak_bytes"]) == (s.fits, {"train": round(s.train_peak.total),
                                                              "rollout": round(s.rollout_peak.total)})
     # checkpointing on: smaller activations, more splits fit
-    rc = cli.main(["preflight", "--set", f"model.path={qwen_dir}", "--devices", "8", "--accelerator", "h100", "--json",
-                   "--set", "train.activation_checkpointing=true", "--set", "train.dtype=bf16"])
+    rc = cli.main(["preflight", "--set", f"model.path={qwen_dir}", "--devices", "8", "--accelerator", "h100", "--json"])
     ck = json.loads(capsys.readouterr().out)
     assert sum(s["fits"] for s in ck["splits"]) > sum(s["fits"] for s in out["splits"])
 
@@ -95,7 +99,10 @@ def test_inputs_follow_the_config():
                                      "--set", "rollout.tensor_parallel=2"))
     inp = preflight.inputs_of(cfg)
     assert (inp.seq_tokens, inp.tokens, inp.reference, inp.tensor_parallel) == (150, 450, True, 2)
-    assert (inp.engine, inp.engine_dtype, inp.train_dtype) == ("vllm", "bf16", "fp32")  # auto on CUDA: bf16 engine
+    # auto on CUDA: a bf16 engine, bf16 training with activation checkpointing
+    assert (inp.engine, inp.engine_dtype, inp.train_dtype, inp.activation_checkpointing) == ("vllm", "bf16", "bf16", True)
+    fp32 = preflight.inputs_of(preflight.resolve(_args(*FP32))[0])
+    assert (fp32.train_dtype, fp32.activation_checkpointing) == ("fp32", False)
     det, _ = preflight.resolve(_args("--deterministic"))
     assert (preflight.inputs_of(det).engine, preflight.inputs_of(det).engine_dtype) == ("hf", "fp32")
     env = replace(cfg, task=replace(cfg.task, env="tests.fake:Env", max_turns=3))
@@ -119,7 +126,7 @@ def test_start_check_off_cuda_changes_nothing():
 
 
 def test_start_check_on_cuda_refuses_a_start_that_does_not_fit():
-    cfg, _ = preflight.resolve(_args("--devices", "8", "--rollout-devices", "4"))
+    cfg, _ = preflight.resolve(_args("--devices", "8", "--rollout-devices", "4", *FP32))
     with pytest.raises(ConfigError) as exc:
         memory_plan.start_check(cfg, "cuda", 80 * GB, shape=QWEN2_7B)
     (line,) = exc.value.errors
@@ -130,7 +137,7 @@ def test_start_check_on_cuda_refuses_a_start_that_does_not_fit():
 
 
 def test_start_check_on_cuda_raises_the_bounds_to_the_splits_that_fit():
-    cfg, _ = preflight.resolve(_args("--devices", "8", "--rollout-devices", "2"))
+    cfg, _ = preflight.resolve(_args("--devices", "8", "--rollout-devices", "2", *FP32))
     assert run_bounds(cfg).splits() == (1, 2, 3, 4, 5, 6, 7)
     checked = memory_plan.start_check(cfg, "cuda", 80 * GB, shape=QWEN2_7B)
     fitting = tuple(s.rollout for s in preflight.plan(cfg, QWEN2_7B, 80 * GB) if s.fits)
@@ -158,7 +165,7 @@ def test_run_checks_at_start_on_cuda(tmp_path, monkeypatch, capsys):
     import dynaresize.driver.run as driver_run
 
     monkeypatch.setattr(driver_run, "run_job", lambda *a, **k: pytest.fail("the run started"))
-    rc = cli.main(["run", "--set", f"model.path={d}", "--devices", "8", "--rollout-devices", "4",
+    rc = cli.main(["run", "--set", f"model.path={d}", "--devices", "8", "--rollout-devices", "4", *FP32,
                    "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -113,7 +113,8 @@ class Cluster(StagesMixin):
         armed = self.faults.arm(self.worker_of)
         self.wait([(self.ids.index(a.spec.device), ref) for a, ref in zip(self.faults.faults, armed)], "arm faults")
         port = self.wait([(0, self.workers[0].free_port.remote())], "start")[0]
-        ip = self.wait([(0, self.workers[0].info.remote())], "start")[0]["ip"]
+        info = self.wait([(0, self.workers[0].info.remote())], "start")[0]
+        ip, self.cuda = info["ip"], info["torch_device"].startswith("cuda")  # the workers' device, not the driver's
         init_method = rendezvous.world_init_method(ip, port)
         inits = self.wait([(d, w.init_world.remote(init_method, self.num_devices)) for d, w in enumerate(self.workers)],
                           "world init")

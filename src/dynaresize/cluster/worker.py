@@ -52,7 +52,7 @@ from dynaresize.errors import ConfigError
 from dynaresize.reshard.layout import RowChunkLayout
 from dynaresize.rl.env import env_spec
 from dynaresize.rl.models import build_model
-from dynaresize.roles.base import GenRequest, engine_dtype, resolve_engine
+from dynaresize.roles.base import GenRequest, compute_dtype, engine_dtype, resolve_engine
 from dynaresize.roles.factory import rollout_engine_from_config
 from dynaresize.roles.train_fsdp import FSDPTrainer
 from dynaresize.roles.train_spec import TrainerSpec
@@ -80,13 +80,15 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         if self.cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.torch_device = local_device(self.cfg.cluster.backend)
+        if self.torch_device.type == "cuda" and not self.cfg.deterministic:  # TF32 for what stays fp32
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         if resolve_engine(self.cfg) == "vllm":
             # vLLM's imports (seconds) at worker start, off every resize's critical path. On this
             # thread: importing from a second thread raced transformers' lazy module set-up.
             from dynaresize.roles.vllm_process import preload_vllm
 
             preload_vllm()
-        self.spec = TrainerSpec.from_config(self.cfg)
+        self.spec = TrainerSpec.from_config(self.cfg, cuda=self.torch_device.type == "cuda")
         self.role: str | None = None
         self.pool: CommPool | None = None
         self.trainer: FSDPTrainer | None = None
@@ -208,7 +210,10 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         mode = self.cfg.train.old_logprobs
         if mode != "auto":
             return mode
-        exact = self._engine_name() == "hf" and self.cfg.train.dtype == "fp32"
+        # exact only where the engine computes as the trainer does: both in fp32 (on CUDA, auto is bf16 for both)
+        cuda = getattr(self, "torch_device", torch.device("cpu")).type == "cuda"
+        exact = (self._engine_name() == "hf" and compute_dtype(self.cfg, cuda=cuda) == "fp32"
+                 and engine_dtype(self.cfg, cuda=cuda) == "float32")
         return "engine" if exact else "recompute"
 
     def _drop_trainer(self) -> None:

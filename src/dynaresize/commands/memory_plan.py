@@ -11,6 +11,7 @@ from dataclasses import replace
 from dynaresize.config import RunConfig
 from dynaresize.costmodel import memory
 from dynaresize.errors import ConfigError
+from dynaresize.roles.base import checkpointing, compute_dtype
 
 GB = 1e9
 
@@ -29,8 +30,8 @@ def inputs_of(cfg: RunConfig, *, engine: str | None = None) -> memory.MemoryInpu
     if cfg.task.env:  # multi-turn: a trajectory is its cap, or at least its turns (observations unknown here)
         seq = cfg.task.max_total_tokens or r.max_prompt_tokens + cfg.task.max_turns * r.max_new_tokens
     return memory.MemoryInputs(
-        micro_batch_size=t.micro_batch_size, seq_tokens=seq, train_dtype=t.dtype,
-        activation_checkpointing=t.activation_checkpointing, reference=t.kl_coef > 0, engine=engine,
+        micro_batch_size=t.micro_batch_size, seq_tokens=seq, train_dtype=compute_dtype(cfg, cuda=True),
+        activation_checkpointing=checkpointing(cfg, cuda=True), reference=t.kl_coef > 0, engine=engine,
         engine_dtype=dtype, tensor_parallel=r.tensor_parallel, gpu_memory_utilization=r.gpu_memory_utilization,
         kv_cache_bytes=r.vllm_kv_cache_bytes, max_model_len=r.vllm_max_model_len or seq, hf_batch_rows=r.batch_rows,
         reshard_staging_bytes=cfg.reshard.staging_bytes, engine_release=r.engine_release,

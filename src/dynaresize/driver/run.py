@@ -52,7 +52,7 @@ from dynaresize.pipeline.stepstate import StepRollout, Window, rollout_version
 from dynaresize.policy.base import make_policy
 from dynaresize.records import Recorder
 from dynaresize.rl import grpo
-from dynaresize.roles.base import auto_hf_reason, resolve_engine
+from dynaresize.roles.base import auto_hf_reason, compute_dtype, resolve_engine
 from dynaresize.tracking import check_backends, open_sinks
 from dynaresize.types import ROLLOUT, TRAIN, Assignment, ResizePlan, StepReport
 
@@ -363,7 +363,7 @@ class Run(StepReporting):
             "faults_recovered": s["faults_recovered"], "recoveries": s["recoveries"],
             "faults_unfired": self.cluster.faults.unfired(),
             "resumed_from_step": self.start_step if self.resume else None, "stopped": stopped,
-            "rollout_engine": resolve_engine(self.cfg), "train_dtype": self.cfg.train.dtype,
+            "rollout_engine": resolve_engine(self.cfg), "train_dtype": compute_dtype(self.cfg, cuda=self.cluster.cuda),
             "staleness": self.cfg.train.staleness,
             "max_staleness": max((e.consumed_step - e.version for e in self.ledger.entries.values()
                                   if e.consumed_step is not None), default=None),

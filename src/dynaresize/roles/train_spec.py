@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dynaresize.config import ModelConfig
+from dynaresize.roles.base import checkpointing, compute_dtype
 from dynaresize.roles.train_state import OptimSettings
 
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
@@ -50,12 +51,14 @@ class TrainerSpec:
         return torch.float64 if self.deterministic else torch.float32
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "TrainerSpec":
-        """The spec of a run (`config.RunConfig`): schedule over the run's steps."""
+    def from_config(cls, cfg: Any, *, cuda: bool = False) -> "TrainerSpec":
+        """The spec of a run (`config.RunConfig`) on a CUDA device or not: schedule over the
+        run's steps, `train.dtype` and `train.activation_checkpointing` resolved."""
         t = cfg.train
         optim = OptimSettings.from_config(t, schedule=t.lr_schedule, total_steps=cfg.steps)
-        return cls(model=cfg.model, optim=optim, compute_dtype=t.dtype, deterministic=cfg.deterministic,
-                   activation_checkpointing=t.activation_checkpointing, with_ref=t.kl_coef > 0, seed=cfg.seed)
+        return cls(model=cfg.model, optim=optim, compute_dtype=compute_dtype(cfg, cuda=cuda),
+                   deterministic=cfg.deterministic, activation_checkpointing=checkpointing(cfg, cuda=cuda),
+                   with_ref=t.kl_coef > 0, seed=cfg.seed)
 
     def kinds(self) -> tuple[str, ...]:
         """State kinds a trainer holds (the reshard moves all of them)."""
