@@ -129,7 +129,9 @@ def test_report_of_the_run_renders_in_chromium(lab_run):
 
     run, _ = lab_run
     assert main(["report", str(run)]) == 0
-    # split, stage times, idle, reward, device timeline, one resize Gantt chart
-    assert_every_figure_renders(run / "report.html", expected=6)
+    # split, stage times, idle, reward, device timeline, requests in flight per replica (one-step-off
+    # runs write concurrency records too), one resize Gantt chart
+    assert_every_figure_renders(run / "report.html", expected=7)
+    assert "Requests in flight per replica" in (run / "report.html").read_text()
     page = (run / "report.html").read_text()
     assert "Reward and eval" in page and "pass_at_4" in page  # the eval curve and its table
