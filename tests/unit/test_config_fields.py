@@ -585,6 +585,7 @@ def _cluster_start(cfg: RunConfig) -> dict:
     c = cl.Cluster(cfg)
     with mock.patch.object(ray, "is_initialized", lambda: False), \
             mock.patch.object(ray, "init", lambda **kw: calls.setdefault("ray.init", kw)), \
+            mock.patch.object(ray, "cluster_resources", lambda: {"CPU": 4.0}), \
             mock.patch.object(cl, "make_placement_group", placement), \
             mock.patch.object(cl, "remote_worker_class", Actor):
         try:

@@ -103,3 +103,13 @@ def test_survivors_of_a_lost_nccl_peer_get_an_exception_not_a_teardown():
     assert worker_env(1, environ={})["runtime_env"]["env_vars"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     kept = worker_env(1, environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})["runtime_env"]["env_vars"]
     assert kept["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_gpu_reservation_follows_the_clusters_resources_not_the_drivers_torch():
+    """A driver on a CPU-only head over GPU worker nodes still reserves a GPU per device."""
+    from dynaresize.cluster.placement import gpus_wanted
+
+    assert gpus_wanted("auto", {"CPU": 64.0, "GPU": 16.0}) is True  # GPUs somewhere in the Ray cluster
+    assert gpus_wanted("auto", {"CPU": 2.0}) is False and gpus_wanted("auto", {"CPU": 2.0, "GPU": 0.0}) is False
+    assert gpus_wanted("nccl", {"CPU": 2.0}) is True  # asked for: Ray then waits for GPUs it has not
+    assert gpus_wanted("gloo", {"CPU": 8.0, "GPU": 8.0}) is False

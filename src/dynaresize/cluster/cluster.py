@@ -92,14 +92,13 @@ class Cluster(StagesMixin):
 
     def start(self, assignment: Assignment) -> None:
         cfg = self.cfg
-        use_gpu = cfg.cluster.backend == "nccl" or (cfg.cluster.backend == "auto" and _cuda_available())
-        self.use_gpu = use_gpu
         if not ray.is_initialized():
             need = math.ceil(self.num_devices * cfg.cluster.cpus_per_device)
             # a Ray of our own (address=local) where none is given, even where another runs on this machine;
             # the job's cluster under `ray job submit` (RAY_ADDRESS): placement.init_kwargs
             ray.init(**placement.init_kwargs(cfg.cluster.address, max(os.cpu_count() or 1, need)))
             self._started_ray = True
+        self.use_gpu = use_gpu = placement.gpus_wanted(cfg.cluster.backend, ray.cluster_resources())
         self._pg = make_placement_group(self.num_devices, use_gpu=use_gpu, cpus_per_device=cfg.cluster.cpus_per_device,
                                         strategy=cfg.cluster.placement_strategy)
         actor_cls = remote_worker_class()
@@ -379,12 +378,3 @@ class Cluster(StagesMixin):
                               .trainer_scalars.remote())], "checkpoint")[0]
         snap = snapshot.take(self, scalars["step"], self.assignment.devices(TRAIN))
         snapshot.write_checkpoint(snap, directory, extra=extra)
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False

@@ -33,7 +33,7 @@ from typing import Any
 
 import ray
 
-from dynaresize.cluster.cluster import Cluster, _cuda_available
+from dynaresize.cluster.cluster import Cluster
 from dynaresize.cluster.placement import actor_options, worker_env
 from dynaresize.cluster.worker import remote_worker_class, worker_config
 from dynaresize.cluster.worker_resize import BACKGROUND_TAG
@@ -141,7 +141,7 @@ def naive_resize(cluster: Cluster, plan: ResizePlan, *, version: int, step: int,
         cfg = new_cfg or cluster.cfg
         cluster.cfg = cfg
         t0 = time.time()
-        use_gpu = cfg.cluster.backend == "nccl" or (cfg.cluster.backend == "auto" and _cuda_available())
+        use_gpu = cluster.use_gpu  # the bundles' (placement.gpus_wanted, decided at the cluster's start)
         actor_cls = remote_worker_class()
         cfg_dict = worker_config(cfg)
         workers = [actor_cls.options(**actor_options(cluster._pg, d, use_gpu=use_gpu,

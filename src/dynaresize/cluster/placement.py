@@ -63,6 +63,15 @@ def init_kwargs(address: str | None, num_cpus: int, environ: dict | None = None)
     return kwargs
 
 
+def gpus_wanted(backend: str, cluster_resources: dict) -> bool:
+    """Whether each device's bundle reserves a GPU: `cluster.backend` nccl, or auto on a Ray
+    cluster that has GPUs. Decided by the cluster's resources, not the driver's torch: a driver
+    on a CPU-only head node still reserves the GPU workers' devices."""
+    if backend == "nccl":
+        return True
+    return backend == "auto" and float(cluster_resources.get("GPU", 0.0)) >= 1.0
+
+
 def _bundle(use_gpu: bool, cpus_per_device: float) -> dict[str, float]:
     bundle = {"CPU": float(cpus_per_device)}
     if use_gpu:
