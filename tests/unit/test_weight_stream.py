@@ -139,3 +139,27 @@ def test_host_weights_stage_bucket_by_bucket_and_drain_takes_the_rest():
     assert reads == [(0, 8192), (8192, 16384), (16384, 24576), (24576, 32768)]
     assert staging.peak_bytes <= 2 * staging.largest_bucket_bytes == 2 * 8192 * 2
     assert staging.record(torch.bfloat16)["wire_dtype"] == "bfloat16"
+
+
+def test_a_refused_prefix_cache_reset_resets_the_running_requests_too():
+    """Under partial rollout requests run across a weight update and vLLM refuses a plain reset;
+    the running requests are then reset too (their KV recomputed under the new weights), and a
+    reset still refused is an error, never cached KV of old weights reused."""
+    from dynaresize.roles.vllm_weights import reset_prefix_cache
+
+    class LLM:
+        def __init__(self, answers):
+            self.answers, self.calls = list(answers), []
+
+        def reset_prefix_cache(self, reset_running_requests=False):
+            self.calls.append(reset_running_requests)
+            return self.answers.pop(0)
+
+    idle = LLM([True])
+    reset_prefix_cache(idle)
+    assert idle.calls == [False]  # nothing running: a plain reset, nothing preempted
+    busy = LLM([False, True])
+    reset_prefix_cache(busy)
+    assert busy.calls == [False, True]
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
+        reset_prefix_cache(LLM([False, False]))

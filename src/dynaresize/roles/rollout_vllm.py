@@ -55,7 +55,7 @@ from dynaresize.roles.device_memory import bytes_freed_by, check_wake
 from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request
-from dynaresize.roles.vllm_weights import _rpc_digest, _rpc_kv_cache_bytes, _rpc_weight_shapes, load_into
+from dynaresize.roles.vllm_weights import _rpc_digest, _rpc_kv_cache_bytes, _rpc_weight_shapes, load_into, reset_prefix_cache
 from dynaresize.roles.vllm_tp import check_placement, fixed_request_ids, tp_creation, tp_engine_kwargs
 from dynaresize.roles.vllm_world import (destroy_vllm_world, install_safe_cleanup, internals_problem, tp_name_base,
                                          vllm_world)
@@ -234,7 +234,7 @@ class VLLMRolloutEngine:
         if self._llm is not None and self._parked:
             check_wake(self._park_bytes, self._device(), "the parked vLLM engine")
             self._llm.wake_up()
-            self._llm.reset_prefix_cache()
+            reset_prefix_cache(self._llm)
             self._parked = False
 
     def _device(self) -> torch.device:

@@ -345,4 +345,17 @@ def load_into(llm: Any, weights: Mapping[str, Any] | Iterable[list[tuple[str, An
         check_complete(seen, shapes, tied)
     if tied:
         llm.collective_rpc(_rpc_redispatch_tied_head)
-    llm.reset_prefix_cache()
+    reset_prefix_cache(llm)
+
+
+def reset_prefix_cache(llm: Any) -> None:
+    """Drop every cached prefix block: its KV was computed with the old weights. vLLM refuses
+    (returns False) while running requests hold blocks, as under partial rollout (requests go on
+    across a weight update); then the running requests are reset too (vLLM preempts them and
+    computes their KV again, under the new weights, when they are scheduled next: the tokens
+    they made stay theirs). Raises if vLLM still refuses: new requests would reuse stale KV."""
+    if llm.reset_prefix_cache():
+        return
+    if not llm.reset_prefix_cache(reset_running_requests=True):
+        raise RuntimeError("vLLM refused to reset its prefix cache after a weight update, even with its running "
+                           "requests reset: cached KV of the old weights would be reused")
