@@ -251,7 +251,8 @@ def test_worker_step_loss_does_not_depend_on_the_cut(model, mode):
         denom = worker._loss_denominator(tokens)
         assert summed / denom == pytest.approx(total, rel=1e-5, abs=1e-7)
         for g, p in zip(results[-1][1], model.parameters()):
-            assert torch.allclose(p.grad / denom, g, atol=1e-7)
+            # dividing each part or the sum by the denominator: float32 rounding (~2 ulp of the sum-loss gradients)
+            assert torch.allclose(p.grad / denom, g, atol=3e-7)
     first_total, first_grads = results[0]
     for total, grads in results[1:]:
         assert total == pytest.approx(first_total, rel=1e-5, abs=1e-7)
