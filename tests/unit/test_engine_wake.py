@@ -24,8 +24,9 @@ class _LLM:
     def wake_up(self) -> None:
         self.calls.append("wake_up")
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         self.calls.append("reset")
+        return True  # nothing running: vLLM resets (roles/vllm_weights.reset_prefix_cache)
 
 
 def _engine(monkeypatch, free: list[int]):
