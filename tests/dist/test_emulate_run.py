@@ -17,7 +17,8 @@ from dynaresize.emulate.model import Emulator, run_bounds  # noqa: E402
 from dynaresize.presets import preset  # noqa: E402
 from dynaresize.records import read_records  # noqa: E402
 
-pytestmark = pytest.mark.dist
+# slow (~45 s: 8 paced workers); CI runs it, and the default suite's hysteresis run is emulated too
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 3
 TIME_SCALE = 2.0  # a ~6 s emulated rollout lasts ~3 wall s; training (~2 emulated s) ~1 wall s

@@ -27,6 +27,7 @@ def _run(args, tmp_path, timeout=600):
                           text=True, timeout=timeout, env=env, cwd=tmp_path)
 
 
+@pytest.mark.slow  # ~26 s; CI runs the slow suite (the folder's refusals stay in the default suite)
 def test_user_folder_trains_through_resizes_and_exports_tied(user_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
