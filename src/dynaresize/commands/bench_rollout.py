@@ -2,8 +2,8 @@
 
 One run, two measurements of the same work (the same prompts, sample seeds and forced lengths,
 `rollout.synthetic_lengths`, so the tokens do not depend on the weights):
-- runtime: a static one-step-off job on 2 CPU devices (1 rollout with the vLLM engine, 1
-  training) runs `--steps` steps; each window's rollout (its engine call dispatched through the
+- runtime: a static synchronous job (`train.staleness = 0`, so rollout does not share the CPU
+  with training) on 2 CPU devices (1 rollout with the vLLM engine, 1 training) runs `--steps` steps; each window's rollout (its engine call dispatched through the
   router, the device worker's engine, the results back to the driver: the step record's
   `rollout_s`) against the response tokens of the step it rolled out;
 - engine: a vLLM engine in this process, built the same way (`roles.factory`), given each of
@@ -33,7 +33,9 @@ def job_config(args: argparse.Namespace):
                     "max_new_tokens": args.max_new_tokens, "synthetic_lengths": True,
                     "length_workload": "longtail-stationary", "vllm_max_num_seqs": args.prompts * args.samples},
         "model": {"hidden_size": 64, "num_heads": 2, "num_kv_heads": 1},  # head size 32: vLLM's CPU minimum
-        "policy": {"name": "static"}}))
+        # synchronous (staleness 0): a step's rollout does not share this machine's cores with the
+        # previous step's training, as it would one-step-off on 2 CPU cores (on GPUs they are apart)
+        "train": {"staleness": 0}, "policy": {"name": "static"}}))
 
 
 def runtime_rate(records: Path) -> tuple[int, float]:
