@@ -37,6 +37,7 @@ import numpy as np
 from dynaresize.costmodel.costs import HARDWARE_PRESETS, MODEL_PRESETS, get_hardware, get_model, op_cost
 from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.errors import ConfigError
+from dynaresize.pipeline.dispatch import batch_position
 from dynaresize.types import Bounds, StepReport
 from dynaresize.workload import batch_for_step
 
@@ -156,8 +157,9 @@ class Emulator:
         return self.batch(step).response_tokens.reshape(self.prompts_per_step, self.samples_per_prompt)
 
     def sample_index(self, sample_id: tuple[int, int, int]) -> int:
-        """Position of sample (step, prompt position, sample) in its step's batch."""
-        return int(sample_id[1]) * self.samples_per_prompt + int(sample_id[2])
+        """Position of sample (step, prompt position, sample) in its step's batch: the runtime's
+        dispatch positions (`pipeline.dispatch.batch_position`), one definition for both."""
+        return batch_position(sample_id, self.samples_per_prompt)
 
     # ------------------------------------------------------------------ durations
 
