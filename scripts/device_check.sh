@@ -4,14 +4,17 @@
 # Ray, no vLLM) with the project on PYTHONPATH, so the roles and the trainer must import without
 # Ray (where this checkout has a .venv, its python; PYTHON=... picks another). Fails at once when
 # torch sees no CUDA device. One line per check; exit status 1 when any
-# check failed. Budget: under 5 minutes. The whole output also goes to $OUT/device_check.txt
+# check failed. Budget: under 8 minutes (4 for each Python part, the GPU tests within them). The whole output also goes to $OUT/device_check.txt
 # when OUT is set.
 #
 # Checks (scripts/device_check.py): an FSDP2 bf16 training step on cuda:0 in a one-rank NCCL
 # world with its state bytes; the HF engine generating on CUDA; weight sync trainer -> engine in
 # one process with the digest checked; teardown and release freeing GPU memory
 # (torch.cuda.mem_get_info); the export loading in transformers; the sync and generation times;
-# then the GPU tests (tests/gpu) when pytest is there. What only a node with several GPUs shows
+# then the data path at model scale (scripts/device_check_scale.py: vLLM's peer probe under
+# CUDA_VISIBLE_DEVICES=0, a 7B's bf16 weight sync received with its device peak, a dropped
+# trainer's bytes with the GC frozen, FSDP2 steps of a 1.5B on 4k tokens beside preflight's plan,
+# the bytes of each NCCL group); then the GPU tests (tests/gpu) when pytest is there. What only a node with several GPUs shows
 # (NCCL across devices, resizes on real workers) is listed in docs/gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +28,13 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZ
 timeout 240 "$PY" scripts/device_check.py "$@" 2>>"$LOG.stderr" | tee "$LOG"
 status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ]; then
+  [ -s "$LOG.stderr" ] && tail -n 5 "$LOG.stderr" | sed 's/^/  stderr: /'
+  exit 1
+fi
+
+# Each of our TP actors sees one GPU: the peer probe is checked the way such an actor meets it.
+CUDA_VISIBLE_DEVICES=0 timeout 240 "$PY" scripts/device_check_scale.py 2>>"$LOG.stderr" | tee -a "$LOG"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then
   [ -s "$LOG.stderr" ] && tail -n 5 "$LOG.stderr" | sed 's/^/  stderr: /'
   exit 1
 fi

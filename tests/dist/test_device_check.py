@@ -31,6 +31,21 @@ def test_every_check_passes_on_the_cpu_with_gloo():
     assert lines[-1] == "device check: all ok"
 
 
+def test_the_scale_checks_run_on_the_cpu_on_tiny_shapes():
+    """scripts/device_check_scale.py, the model-scale part: every check's code runs (gloo, tiny
+    shapes); the GPU run measures what the CPU cannot (device peaks, group bytes)."""
+    proc = subprocess.run([sys.executable, "scripts/device_check_scale.py", "--cpu"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    checks = {line.split(" (")[0]: line for line in lines}
+    for name in ("peer: ok", "sync7b: ok", "release: ok", "step1.5b fp32 ckpt=off: ok", "step1.5b bf16 ckpt=on: ok"):
+        assert name in checks, lines
+    assert "disable_custom_all_reduce=True" in checks["peer: ok"]
+    assert "parameter reachable False" in checks["release: ok"]
+    assert lines[-1] == "scale check: all ok"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script runs its checks")
 def test_without_cuda_the_script_says_so_in_one_line_and_fails(tmp_path):
     proc = subprocess.run(["bash", "scripts/device_check.sh"], cwd=ROOT, capture_output=True, text=True,
