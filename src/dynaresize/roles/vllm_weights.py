@@ -10,7 +10,9 @@ written inside vLLM's worker (the `_rpc_*` functions run there through `collecti
   embedding);
 - `_engine_tensors` / `_linear_weight`: the engine's parameters as dense tensors (CPU kernels
   keep packed weights; a probe recovers them), whole under tensor parallelism (`_tp_full`:
-  each rank's slice all-gathered, so every rank digests every rank's weights).
+  each rank's slice all-gathered, so every rank digests every rank's weights); an MoE layer's
+  stacked experts under the trainer's stacked names (roles/vllm_moe.py), its router gate as a
+  (replicated) linear layer.
 
 Loading under tensor parallelism: every rank of a replica is sent the whole state dict and
 vLLM's weight loaders keep its own slice, so a replica of k ranks receives k x the bytes of
@@ -87,13 +89,27 @@ def weight_chunks(state_dict: Mapping[str, torch.Tensor], max_bytes: int | None)
 def _rpc_reload(worker: Any, items: Iterable[tuple[str, torch.Tensor]]) -> None:
     """`items` may be a stream (`checked_stream`): the engine runs in this process
     (roles/vllm_process.py), so the iterator is consumed here, not pickled."""
+    from dynaresize.roles.vllm_moe import repack_after_reload, repack_known
+
+    undecided = not repack_known()
+    touched: set[str] = set()
+    probe: dict[str, torch.Tensor] = {}
+
+    def noted(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in pairs:
+            touched.add(name)
+            if undecided and getattr(tensor, "dim", lambda: 0)() == 3:  # stacked experts, until vLLM's way is seen
+                probe[name] = tensor
+            yield name, tensor
+
     layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     level = layerwise.level
     layerwise.setLevel(logging.ERROR)  # "RotaryEmbedding: Failed to load weights": its cache is not a weight
     try:
-        worker.model_runner.reload_weights(weights_iterator=iter(items))
+        worker.model_runner.reload_weights(weights_iterator=noted(items))
     finally:
         layerwise.setLevel(level)
+    repack_after_reload(worker.model_runner.get_model(), touched, probe)  # CPU experts: roles/vllm_moe.py
 
 
 def _rpc_redispatch_tied_head(worker: Any) -> bool:
@@ -166,12 +182,19 @@ def _engine_tensors(model: torch.nn.Module, *, materialize: bool, only: Sequence
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+    from dynaresize.roles.vllm_moe import expert_weights, is_routed_experts
+
     wanted = None if only is None else set(only)
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     world = _tp_world()
     for mod_name, mod in model.named_modules():
         params = dict(mod.named_parameters(recurse=False))
         if not params:
+            continue
+        if is_routed_experts(mod):  # stacked experts: roles/vllm_moe.py
+            for name, tensor in expert_weights(mod, materialize):
+                if wanted is None or name in wanted:
+                    yield name, tensor
             continue
         prefix = f"{mod_name}." if mod_name else ""
         leaf = mod_name.rsplit(".", 1)[-1]
@@ -268,8 +291,9 @@ def _linear_weight(mod: torch.nn.Module, materialize: bool, rows_per_probe: int 
     w = mod.weight
     if hasattr(mod, "embedding_dim"):  # ParallelLMHead / VocabParallelEmbedding
         n_out, n_in = int(mod.num_embeddings_per_partition), int(mod.embedding_dim)
-    else:
-        n_out, n_in = int(mod.output_size_per_partition), int(mod.input_size_per_partition)
+    else:  # a replicated linear (an MoE router's gate) has no per-partition sizes: it is whole
+        n_out = int(getattr(mod, "output_size_per_partition", None) or mod.output_size)
+        n_in = int(getattr(mod, "input_size_per_partition", None) or mod.input_size)
     if not materialize:
         return torch.empty((n_out, n_in), dtype=w.dtype, device="meta")
     kernel = getattr(mod, "cpu_linear", None)
