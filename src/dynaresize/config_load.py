@@ -167,14 +167,45 @@ def check_algorithm(cfg: RunConfig) -> list[tuple[str, Any, str]]:
             out.append(("train.norm_adv_by_std", t.norm_adv_by_std, f"{why}: leave it true"))
         if t.adv_std != TrainConfig.adv_std:
             out.append(("train.adv_std", t.adv_std, f"{why}: leave it unset"))
-    if al.filter_groups and cfg.cluster.emulate is not None:
-        out.append(("algorithm.filter_groups", True, "not with cluster.emulate (the emulator paces steps of "
-                    "rollout.prompts_per_step groups; `dynaresize simulate --workload dapo-filter` models dynamic sampling)"))
+    out += _check_workload_filter(cfg)
     if not al.filter_groups and rc.gen_prompts_per_step:
         out.append(("rollout.gen_prompts_per_step", rc.gen_prompts_per_step, "only used with algorithm.filter_groups=true"))
     if ob > rc.max_new_tokens:
         out.append(("reward.overlong_buffer_len", ob, f"must be <= rollout.max_new_tokens ({rc.max_new_tokens}): "
                     "the buffer is the budget's last tokens"))
+    return out
+
+
+def _check_workload_filter(cfg: RunConfig) -> list[tuple[str, Any, str]]:
+    """`algorithm.filter_metric = workload` (rl/dapo.py) and emulated dynamic sampling: the
+    length workload's model filters the groups, in generation batches of `prompts_per_step`
+    prompts, up to the workload's own cap; an emulated run paces only that job (the simulator's),
+    one-step-off or synchronous."""
+    from dynaresize.rl.dapo import WORKLOAD_METRIC
+    from dynaresize.workload import filter_spec
+
+    al, rc, out = cfg.algorithm, cfg.rollout, []
+    if not al.filter_groups:
+        return out
+    spec = filter_spec(rc.length_workload) if rc.synthetic_lengths else None
+    if al.filter_metric == WORKLOAD_METRIC:
+        if spec is None:
+            out.append(("algorithm.filter_metric", al.filter_metric, "needs rollout.synthetic_lengths=true and a "
+                        f"rollout.length_workload with a filtered share (got {rc.length_workload!r}; e.g. dapo-filter)"))
+            return out
+        if rc.gen_prompts_per_step not in (0, rc.prompts_per_step):
+            out.append(("rollout.gen_prompts_per_step", rc.gen_prompts_per_step, "with algorithm.filter_metric=workload "
+                        f"a generation batch is rollout.prompts_per_step ({rc.prompts_per_step}) prompts, as the workload models it"))
+        if al.max_num_gen_batches != spec.max_gen_batches:
+            out.append(("algorithm.max_num_gen_batches", al.max_num_gen_batches, "with algorithm.filter_metric=workload "
+                        f"the workload's own cap ({spec.name}: {spec.max_gen_batches})"))
+    elif cfg.cluster.emulate is not None:
+        out.append(("algorithm.filter_metric", al.filter_metric, "with cluster.emulate only `workload` (the emulator "
+                    "paces the generation batches the length workload's model filters, as the simulator does; a reward "
+                    "metric's batches are not known to it)"))
+    if cfg.cluster.emulate is not None and int(cfg.train.staleness) >= 2:
+        out.append(("algorithm.filter_groups", True, "not with cluster.emulate and train.staleness >= 2 (the streaming "
+                    "simulator does not model dynamic sampling)"))
     return out
 
 

@@ -1008,13 +1008,22 @@ EVIDENCE: dict[str, tuple] = {
                                         "with filtering on, one-step off and at staleness 2, a deterministic run "
                                         "with moves each way has steps of 2+ generation batches and equals the "
                                         "static run (every sample's fate and tokens, parameters within 1e-6)"),
-                                Refused(True, "algorithm.filter_groups=True: not with cluster.emulate",
-                                        base={"cluster": {"emulate": "a100:7b", "rollout_devices": 2}}),
+                                Refused(True, "algorithm.filter_groups=True: not with cluster.emulate and "
+                                        "train.staleness >= 2", base={"cluster": {"emulate": "a100:7b", "rollout_devices": 2},
+                                                                      "train": {"staleness": 2}}),
                                 Runtime("tests/e2e/test_dapo.py::test_dapo_preset_filters_groups_and_moves_each_way",
                                         "the dapo preset's run has steps of 2+ generation batches, filtered samples "
                                         "in the ledger, ledger ok, a move each way")),
     "algorithm.filter_metric": (Probe("score", _dynamic_sampling, base=merge(FILTER_ON, OVERLONG)),
                                 Refused(" ", "algorithm.filter_metric=' ': must name a metric"),
+                                Refused("reward", "algorithm.filter_metric='reward': with cluster.emulate only `workload`",
+                                        base=merge(FILTER_ON, {"cluster": {"emulate": "a100:7b", "rollout_devices": 2}})),
+                                Refused("workload", "algorithm.filter_metric='workload': needs rollout.synthetic_lengths",
+                                        base=FILTER_ON),
+                                Runtime("tests/dist/test_emulate_dapo_filter_run.py::"
+                                        "test_the_runtime_generates_the_simulators_generation_batches",
+                                        "with `workload`, an emulated run's steps take the simulator's generation "
+                                        "batches and filter its groups (ledger reason), paced as it predicts"),
                                 Refused("acc", "algorithm.filter_metric='acc': only used with")),
     "algorithm.max_num_gen_batches": (Probe(2, _dynamic_sampling, base=FILTER_ON),
                                       Refused(-1, "algorithm.max_num_gen_batches=-1"),

@@ -61,12 +61,14 @@ def test_streaming_and_the_runtime_refuse_the_modelled_filter(tmp_path):
                  "--out", str(tmp_path / "s"), "--quiet", "--no-plots"]) == 2
 
 
-def test_a_run_refuses_it_as_its_length_workload():
+def test_a_run_takes_it_as_its_length_workload_only_filtering_by_it():
     from dynaresize.config_load import build_config, merge
     from dynaresize.driver.job import Job
     from dynaresize.errors import ConfigError
     from dynaresize.presets import preset
 
     cfg = build_config(merge(preset("cpu"), {"rollout": {"length_workload": "dapo-filter"}}))
-    with pytest.raises(ConfigError, match="rollout.length_workload='dapo-filter': a simulator workload"):
+    with pytest.raises(ConfigError, match="rollout.length_workload='dapo-filter': a workload whose filtered groups "
+                                          "are modelled: run it with algorithm.filter_groups=true and "
+                                          "algorithm.filter_metric=workload"):
         Job(cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from dynaresize.errors import ConfigError
 
@@ -52,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: it admits the next share of the same weight version while the last requests "
                         "of its current one decode)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--filter-from", metavar="RUN_DIR", default=None,
+                   help="a workload with dynamic sampling (dapo-filter): its filtered share per step from this "
+                        "dynaresize run's own groups_filtered (its records.jsonl) instead of the modelled share")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="policy.FIELD=VALUE",
                    help="override a policy setting, e.g. --set policy.enter_band=0.05 (repeatable)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
@@ -71,6 +75,37 @@ def policy_config(overrides: list[str]):
     return build_config(data.get("policy", {}), PolicyConfig) if data else PolicyConfig()
 
 
+def _filter_source(args: argparse.Namespace, scenario) -> tuple[Any, dict]:
+    """The scenario with the run's own filtered share (`--filter-from`), or as it is, and the
+    summary's `filter_share_source` (a workload with dynamic sampling), also printed."""
+    from dataclasses import replace
+
+    from dynaresize.workload import SAMPLES_PER_PROMPT, batch_for_step, filter_spec
+    from dynaresize.workload.filter_runs import filter_shares
+
+    spec = filter_spec(args.workload, args.horizon_steps)
+    if spec is None:
+        if args.filter_from:
+            raise ConfigError([f"filter-from={args.filter_from}: only for a workload with dynamic sampling "
+                               f"(dapo-filter), not {args.workload}"])
+        return scenario, {}
+    if not args.filter_from:
+        why = (f"modelled [A]: {spec.filter_share0:.0%} at step 0 rising towards {spec.filter_share_end:.0%} "
+               "(docs/simulator.md)")
+        print(f"dynaresize: {args.workload}: filtered share {why}; --filter-from RUN_DIR takes a run's own", file=sys.stderr)
+        return scenario, {"filter_share_source": why}
+    run = filter_shares(args.filter_from)
+    print(f"dynaresize: {args.workload}: filtered share from {run.describe()}", file=sys.stderr)
+    n, horizon, seed = scenario.prompts_per_step * SAMPLES_PER_PROMPT, args.horizon_steps, args.seed
+
+    def batch_of(b: int):  # the workload's own call, at the run's share
+        return batch_for_step(args.workload, b, n, seed, samples_per_prompt=SAMPLES_PER_PROMPT,
+                              horizon_steps=horizon, filter_shares=run.shares)
+
+    return replace(scenario, batch_of=batch_of), {"filter_share_source": run.describe(),
+                                                  "filter_shares": list(run.shares)}
+
+
 def main(args: argparse.Namespace) -> int:
     from dynaresize.costmodel.scenarios import trace_scenario, workload_scenario
     from dynaresize.report.sim_figures import write_sim_figures
@@ -88,6 +123,9 @@ def main(args: argparse.Namespace) -> int:
     if args.horizon_steps is not None and (args.horizon_steps < 1 or args.trace):
         raise ConfigError([f"horizon-steps={args.horizon_steps}: " + ("only a named workload has a horizon"
                                                                       if args.trace else "must be >= 1")])
+    if args.trace and args.filter_from:
+        raise ConfigError([f"filter-from={args.filter_from}: a trace's batches are its own (only with --workload)"])
+    notes: dict = {}
     if args.trace:
         batches = load_trace(args.trace)
         if args.prompts_per_step is not None:
@@ -107,10 +145,11 @@ def main(args: argparse.Namespace) -> int:
         scenario = workload_scenario(args.workload, num_devices=args.devices, num_steps=args.steps or 300,
                                      model=args.model, seed=args.seed, horizon_steps=args.horizon_steps,
                                      prompts_per_step=args.prompts_per_step, accelerator=args.accelerator)
+        scenario, notes = _filter_source(args, scenario)
     progress = not args.quiet and sys.stderr.isatty()
     doc = simulate(scenario, policies, cfg, staleness=args.staleness, partial=args.partial,
                    accumulate=args.accumulate, admit=args.admit, out_dir=args.out,
-                   progress=progress, figures=None if args.no_plots else write_sim_figures)
+                   progress=progress, figures=None if args.no_plots else write_sim_figures, notes=notes)
     print(format_table(doc))
     print(f"wrote {args.out}/summary.json, one records.jsonl per policy"
           + ("" if args.no_plots else ", allocation.png, throughput.png"))

@@ -14,6 +14,10 @@ balances, and overlaps training as the first batch does. The thread writes only 
 of the step it fills (the main thread meanwhile consumes the step before it); its engine
 calls' `span` records are written when it is joined.
 
+With `algorithm.filter_metric = workload` the groups are filtered by the length workload's model
+(`workload_filter`; rl/dapo.py) after they are scored as usual: the job the simulator's
+`dapo-filter` models, which an emulated run paces batch by batch as the simulator does.
+
 Streaming (`train.staleness >= 2`, driver/streaming.py `_filtered`): the window that trains
 step k scores its groups as they complete (`add_part`) and releases its next batch to the
 router (`next_batch`) ahead of later steps, under step k's own version, until P groups are kept.
@@ -37,8 +41,25 @@ from typing import Any
 from dynaresize.driver.job import ScoredPart, ScoredStep
 from dynaresize.driver.ledger import sample_record
 from dynaresize.errors import RewardError
-from dynaresize.rl.dapo import FILTERED, GroupFilter
+from dynaresize.rl.dapo import FILTERED, WORKLOAD_METRIC, GroupFilter
 from dynaresize.types import ROLLOUT
+
+
+def workload_filter(cfg: Any, step: int, prompts: set[int]) -> tuple[dict[int, bool], str]:
+    """`algorithm.filter_metric = workload`: whether each prompt group (by prompt index b*P + j)
+    of `step` is filtered, as the length workload's model draws it (`workload.filtered_groups`,
+    the simulator's draw for the same job), and the reason the ledger gives."""
+    from dynaresize.workload import filter_spec, filtered_groups
+
+    rc = cfg.rollout
+    spec = filter_spec(rc.length_workload, rc.length_horizon_steps)
+    g = rc.prompts_per_step  # config_load refuses another generation batch size with this metric
+    out: dict[int, bool] = {}
+    for b in sorted({p // g for p in prompts}):
+        drawn = filtered_groups(spec, step, b, g, cfg.seed)
+        out.update({p: bool(drawn[p - b * g]) for p in prompts if p // g == b})
+    why = f"the workload {rc.length_workload}'s model filters this group (share {spec.filter_share(step):.2f} at step {step})"
+    return out, why
 
 
 class FilterCapError(RewardError):
@@ -119,7 +140,10 @@ class DynamicSampling:
         part = run.job.score_part(step, results, run.ledger)
         st.parts.append(part)
         st.scored_ids |= set(part.values)
-        st.filter.add(run.job.filter_values(part), run.cfg.algorithm.filter_metric)
+        if run.cfg.algorithm.filter_metric == WORKLOAD_METRIC:  # the length workload's model decides
+            st.filter.add_decided(*workload_filter(run.cfg, step, {sid[1] for sid in part.values}))
+        else:
+            st.filter.add(run.job.filter_values(part), run.cfg.algorithm.filter_metric)
 
     def next_batch(self, step: int, send: Any) -> None:
         """Issue the step's next generation batch (`send(groups)`), or stop at the cap."""

@@ -151,10 +151,11 @@ class Job:
 
             from dynaresize.workload import WORKLOADS
 
-            if rc.length_workload in WORKLOADS and WORKLOADS[rc.length_workload].filter_share_end:
-                errors.append(f"rollout.length_workload={rc.length_workload!r}: a simulator workload (its "
-                              "filtered groups are modelled); a run filters by its own rewards "
-                              "(algorithm.filter_groups) with another length workload")
+            by_model = self.cfg.algorithm.filter_groups and self.cfg.algorithm.filter_metric == "workload"
+            if rc.length_workload in WORKLOADS and WORKLOADS[rc.length_workload].filter_share_end and not by_model:
+                errors.append(f"rollout.length_workload={rc.length_workload!r}: a workload whose filtered groups are "
+                              "modelled: run it with algorithm.filter_groups=true and algorithm.filter_metric=workload "
+                              "(a run filtering by its own rewards takes another length workload)")
             elif rc.length_workload not in WORKLOADS and not Path(rc.length_workload).is_file():
                 errors.append(f"rollout.length_workload={rc.length_workload!r}: neither a known workload "
                               f"({', '.join(WORKLOADS)}) nor a trace file")

@@ -167,11 +167,26 @@ class Emulator:
         """Per rollout device slot (0..num_rollout-1): the batch positions it serves and its
         emulated busy seconds. Replica j = slots j*tp .. j*tp+tp-1 serves positions i with
         i mod (num_rollout // tp) == j, split over its devices; every device of a replica is busy
-        for the replica's time. Slots beyond whole replicas serve nothing."""
+        for the replica's time. Slots beyond whole replicas serve nothing.
+
+        Dynamic sampling (a workload with a filtered share, `algorithm.filter_metric=workload`):
+        the step's generation batches are sent one after another, so there is one such entry per
+        (generation batch, slot), each batch timed alone as the simulator times it
+        (`StageModel` rolls a step's batches out one after another; `_gen_plan`)."""
+        batch = self.batch(step)
+        if batch.num_gen_batches > 1:
+            plan: list[tuple[tuple[int, ...], float]] = []
+            for b in range(batch.num_gen_batches):
+                first = int(np.flatnonzero(batch.gen_batch == b)[0])
+                part = self._gen_plan(step, b, num_rollout)
+                plan += [(tuple(first + i for i in positions), t) for positions, t in part]
+            return plan
+        times, _, _ = self.stages.replica_detail(step, num_rollout)
+        return self._plan(times, batch.num_samples, num_rollout)
+
+    def _plan(self, times: np.ndarray, n: int, num_rollout: int) -> list[tuple[tuple[int, ...], float]]:
         tp = self.model.rollout_tp
         n_rep = max(1, num_rollout // tp)
-        times, _, _ = self.stages.replica_detail(step, num_rollout)
-        n = self.batch(step).num_samples
         plan: list[tuple[tuple[int, ...], float]] = []
         for slot in range(num_rollout):
             j, part = divmod(slot, tp)
@@ -181,6 +196,18 @@ class Emulator:
             mine = range(j, n, n_rep)
             plan.append((tuple(mine[part::tp]), float(times[j])))
         return plan
+
+    def _gen_plan(self, step: int, gen_batch: int, num_rollout: int) -> list[tuple[tuple[int, ...], float]]:
+        """`rollout_plan` of one generation batch alone (positions within it). Batch b starts at
+        position b*n of the step (n samples per batch), so the runtime's replica j of it
+        (positions p = j mod R) is the batch's own replica (j - b*n) mod R: the same sets of
+        samples, so the same times."""
+        batch = self.batch(step)
+        mask = batch.gen_batch == gen_batch
+        part = Batch(batch.response_tokens[mask], batch.prompt_tokens[mask])
+        stages = StageModel(self.model, lambda _b: part, self.hw, batch_cache=1)
+        times, _, _ = stages.replica_detail(0, num_rollout)
+        return self._plan(times, part.num_samples, num_rollout)
 
     def stream_shares(self, step: int, num_rollout: int) -> list[tuple[int, int]]:
         """The streaming pipeline's shares of step `step` as `sim.stream` cuts them: ceil(B /

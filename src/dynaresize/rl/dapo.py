@@ -16,6 +16,10 @@ carries no GRPO signal and is filtered out; batches go on until `rollout.prompts
 groups are kept, and the step trains on the first P kept (by prompt index; later kept groups
 are surplus, dropped as verl truncates its batch). With `max_num_gen_batches` M > 0, a step that
 has generated M batches without P kept groups stops the run, as verl raises, naming the step.
+With `algorithm.filter_metric = workload` (`WORKLOAD_METRIC`) the groups are filtered by the length
+workload's model instead of a reward metric (workload.filtered_groups: batch b's prompt j at
+step t is filtered with the workload's share at t): the job `dynaresize simulate --workload
+dapo-filter` models, run for real, and the only filtering an emulated run paces (emulate/model.py).
 
 Prompt indices (the `p` of sample id (step, p, s)): batch b's prompt j is p = b*G + j, so the
 ids of a step never collide; batch 0 takes the step's prompts from the run's prompt stream (the
@@ -32,6 +36,10 @@ from dynaresize.rl.data import prompt_order
 from dynaresize.rl.seeds import derived_seed
 
 FILTERED = "filtered"  # the ledger's drop reason starts with this
+# `algorithm.filter_metric = workload`: the length workload's model decides which groups are
+# filtered (workload.filtered_groups), not the rewards: the job the simulator's `dapo-filter`
+# models, run for real (an emulated run of it is paced as the simulator predicts it).
+WORKLOAD_METRIC = "workload"
 
 
 def overlong_penalty(num_tokens: int, *, max_tokens: int, buffer_len: int, factor: float) -> float:
@@ -86,6 +94,18 @@ class GroupFilter:
                 present = sorted({v for v in values if v is not None})
                 self.filtered[p] = (f"{FILTERED}: group's {metric} is constant ({present[0]:g})" if present
                                     else f"{FILTERED}: group has no {metric}")
+            else:
+                self.kept.append(p)
+
+    def add_decided(self, filtered: dict[int, bool], why: str) -> None:
+        """Groups whose fate is decided elsewhere (by prompt index: True = filtered, for `why`):
+        `algorithm.filter_metric = workload`."""
+        for p in sorted(filtered):
+            if p in self.seen:
+                raise ValueError(f"step {self.step}: prompt group {p} filtered twice")
+            self.seen.add(p)
+            if filtered[p]:
+                self.filtered[p] = f"{FILTERED}: {why}"
             else:
                 self.kept.append(p)
 

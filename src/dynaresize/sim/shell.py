@@ -95,9 +95,10 @@ def simulate(scenario: Scenario, policies: list[str], cfg: PolicyConfig = Policy
              staleness: int = 1, partial: bool = False, accumulate: bool = True, admit: bool = True,
              out_dir: str | Path | None = None, progress: bool = False,
              figures: Callable[[dict, dict, Path], list] | None = None,
-             on_progress: Callable[[int], None] | None = None) -> dict:
+             on_progress: Callable[[int], None] | None = None, notes: dict | None = None) -> dict:
     """Run every policy on the scenario; returns the summary (also written to out_dir).
-    `accumulate` and `admit` switch the streaming pipeline's two overlaps (`sim.stream`)."""
+    `accumulate` and `admit` switch the streaming pipeline's two overlaps (`sim.stream`);
+    `notes` are further summary fields (e.g. where a workload's filtered share came from)."""
     check_pipeline(staleness, partial, accumulate, admit)
     pipe = {"staleness": staleness, "partial": partial}
     if staleness >= 2:
@@ -161,7 +162,7 @@ def simulate(scenario: Scenario, policies: list[str], cfg: PolicyConfig = Policy
            "bounds": {"min_rollout": bounds.min_rollout, "min_train": bounds.min_train, "move_unit": bounds.move_unit},
            "grid": len(splits) < len(bounds.splits()), "reversal_window_steps": cfg.horizon_steps,
            "resize_cost_model": resize_cost_table(scenario, bounds, pilot), **pipe,
-           "static_sweep": _static_sweep(table, sweep, scenario), "results": results}
+           "static_sweep": _static_sweep(table, sweep, scenario), "results": results, **(notes or {})}
     if reference is not None:
         doc["best_static_staleness_1"] = reference  # same workload and devices, one-step-off
     if out is not None:

@@ -80,14 +80,18 @@ def lengths_for_step(workload: str, step: int, n: int, seed: int, *, samples_per
 
 
 def batch_for_step(workload: str, step: int, n: int, seed: int, *,
-                   samples_per_prompt: int = SAMPLES_PER_PROMPT, horizon_steps: int | None = None) -> Batch:
+                   samples_per_prompt: int = SAMPLES_PER_PROMPT, horizon_steps: int | None = None,
+                   filter_shares: tuple[float, ...] = ()) -> Batch:
     """Step `step`'s first `n` samples at the workload's own lengths, with their prompt lengths:
     a named workload's `prompt_tokens` for every sample, a trace's own prompt lengths. The
     simulator and the emulated runtime size their work from this one batch. A multi-turn
     workload's sample is a trajectory: its model tokens plus its observations' tokens, and its
-    tool waits (`Batch.wait_s`, `lengths.multi_turn`)."""
+    tool waits (`Batch.wait_s`, `lengths.multi_turn`). A workload with a filtered share (dynamic
+    sampling) gives the step's generation batches (`_filtered_batch`), at `filter_shares` (a
+    run's measured share per step, `workload.filter_runs`) when given."""
     if workload in WORKLOADS and named_spec(workload).filter_share(step) > 0:
-        return _filtered_batch(named_spec(workload, horizon_steps), step, n, seed, samples_per_prompt)
+        spec = replace(named_spec(workload, horizon_steps), filter_shares=tuple(filter_shares))
+        return _filtered_batch(spec, step, n, seed, samples_per_prompt)
     lengths = np.asarray(lengths_for_step(workload, step, n, seed, samples_per_prompt=samples_per_prompt,
                                           horizon_steps=horizon_steps), dtype=np.int64)
     if workload in WORKLOADS:
@@ -103,19 +107,36 @@ def batch_for_step(workload: str, step: int, n: int, seed: int, *,
     return Batch(lengths, prompts)
 
 
+def filtered_groups(spec: WorkloadSpec, step: int, gen_batch: int, num_prompts: int, seed: int) -> np.ndarray:
+    """Which prompt groups of generation batch `gen_batch` of step `step` the workload filters out
+    (bool, one per prompt of the batch: True = filtered), drawn with the workload's share at that
+    step (`WorkloadSpec.filter_share`) by a counter-based hash of (seed, workload, step, batch,
+    prompt): the simulator's model of dynamic sampling, and what a run with
+    `algorithm.filter_metric = workload` filters by (driver/dynamic_sampling.py)."""
+    ids = np.arange(int(num_prompts), dtype=np.uint64)
+    return _uniform(_key(seed, _name_id(spec.name), 0xF1, step, gen_batch), ids) < spec.filter_share(step)
+
+
+def filter_spec(workload: str, horizon_steps: int | None = None) -> WorkloadSpec | None:
+    """The named workload with a filtered share (dynamic sampling) at `horizon_steps`, or None
+    for a workload without one (or a trace)."""
+    if workload not in WORKLOADS or not (WORKLOADS[workload].filter_share0 or WORKLOADS[workload].filter_share_end):
+        return None
+    return named_spec(workload, horizon_steps)
+
+
 def _filtered_batch(spec: WorkloadSpec, step: int, n: int, seed: int, samples_per_prompt: int) -> Batch:
     """Step `step` under dynamic sampling: generation batches of `n` samples (their own lengths,
     batch b seeded by (seed, b)), each prompt group filtered with the workload's share at that
-    step (a counter-based draw per (seed, step, batch, prompt)), until n // samples_per_prompt
-    groups are kept or `max_gen_batches` are generated; the first kept groups are trained."""
+    step (`filtered_groups`), until n // samples_per_prompt groups are kept or `max_gen_batches`
+    are generated; the first kept groups are trained."""
     prompts = -(-n // samples_per_prompt)
-    share = spec.filter_share(step)
     lengths, gen, trained = [], [], []
     kept = 0
     for b in range(spec.max_gen_batches):
         seed_b = seed if b == 0 else _key(seed, 0x5EED, b) >> 1
         arr = sample_lengths_array(spec, step, prompts, samples_per_prompt, spec.cap_tokens, seed_b)
-        out = _uniform(_key(seed, _name_id(spec.name), 0xF1, step, b), np.arange(prompts, dtype=np.uint64)) < share
+        out = filtered_groups(spec, step, b, prompts, seed)
         for p in range(prompts):
             take = not out[p] and kept < prompts
             kept += int(take)
@@ -137,4 +158,5 @@ def _trace_index(path: str, size: int, mtime_ns: int) -> tuple[dict[int, Batch],
 
 
 __all__ = ["WORKLOADS", "WorkloadSpec", "Batch", "get_workload", "sample_lengths", "sample_lengths_array",
-           "lengths_for_step", "batch_for_step", "named_spec", "load_trace", "SAMPLES_PER_PROMPT"]
+           "lengths_for_step", "batch_for_step", "named_spec", "load_trace", "SAMPLES_PER_PROMPT", "filtered_groups",
+           "filter_spec"]

@@ -86,6 +86,10 @@ class WorkloadSpec:
     filter_share0: float = 0.0
     filter_share_end: float = 0.0
     max_gen_batches: int = 10  # verl's max_num_gen_batches (the recipe's 10)
+    # The filtered share measured by a run, per absolute step (`workload.filter_runs`: its step
+    # records' groups_filtered over the groups it scored); past its last step, the last one.
+    # Empty: the modelled share above.
+    filter_shares: tuple[float, ...] = ()
 
     def log_median(self, step: int) -> float:
         """mu(t) without the per-step jitter, in the reference domain (t: the absolute step)."""
@@ -102,7 +106,10 @@ class WorkloadSpec:
         return mu
 
     def filter_share(self, step: int) -> float:
-        """The share of prompt groups filtered out at `step` (0 without dynamic sampling)."""
+        """The share of prompt groups filtered out at `step` (0 without dynamic sampling): a run's
+        measured share (`filter_shares`) where given, else the modelled one."""
+        if self.filter_shares:
+            return float(self.filter_shares[min(int(step), len(self.filter_shares) - 1)])
         if not (self.filter_share0 or self.filter_share_end):
             return 0.0
         n = max(int(self.horizon_steps), 1)
