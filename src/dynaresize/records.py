@@ -35,6 +35,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "fault": ("step", "device", "fault_kind", "point"),  # `kind` names the record type
     "recovery": ("step", "lost_devices", "recovery_s", "num_devices"),
     "checkpoint": ("step", "path", "cause"),
+    "snapshot": ("step", "snapshot_kind", "bytes", "seconds", "critical_s"),
     "resume": ("step", "checkpoint", "num_devices"),
     "eval": ("step", "version", "reward_mean", "pass_at_1", "num_prompts", "samples_per_prompt"),
     "placement": ("strategy", "nodes"),

@@ -661,6 +661,21 @@ def _checkpoints(cfg: RunConfig) -> list:
     return saved
 
 
+def _snapshot_kinds(cfg: RunConfig) -> list:
+    """Which versions the driver snapshots in full over the run (driver/snapshots.py `kind_for`)."""
+    from dynaresize.driver.snapshots import Snapshots
+
+    snaps = Snapshots(SimpleNamespace(cfg=cfg))
+    return [snaps.kind_for(v) for v in range(1, cfg.steps + 1)]
+
+
+def _young_daly(cfg: RunConfig) -> int:
+    """The K the driver chooses for a 0.05 s full snapshot and 1 s steps (costmodel/snapshot_interval.py)."""
+    from dynaresize.costmodel.snapshot_interval import snapshot_every
+
+    return snapshot_every(cfg.checkpoint.snapshot_every_steps, 0.05, cfg.checkpoint.mtbf_s, 1.0)
+
+
 def _checkpoint_root(cfg: RunConfig) -> str:
     """Where `Checkpointer` puts the run's checkpoints (`checkpoint.dir`, else RUN_DIR/checkpoint)."""
     from dynaresize.driver.checkpointing import Checkpointer
@@ -1069,6 +1084,12 @@ EVIDENCE: dict[str, tuple] = {
     "timeouts.collective_s": (Probe(1000.0, _watchdog),),
     "timeouts.actor_call_s": (Probe(2000.0, _watchdog),),
     "checkpoint.every_steps": (Probe(5, _checkpoints),),
+    "checkpoint.snapshot_every_steps": (Probe(3, _snapshot_kinds), Probe(3, _young_daly),
+                                        Refused(-1, "checkpoint.snapshot_every_steps=-1"),
+                                        Runtime("tests/e2e/test_snapshots.py::test_full_snapshots_every_k_steps",
+                                                "with 3 a 10-step run's snapshot records are full at versions "
+                                                "3, 6, 9 and 10 (the final checkpoint) and params-only between")),
+    "checkpoint.mtbf_s": (Probe(100.0, _young_daly), Refused(0.0, "checkpoint.mtbf_s=0.0")),
     "checkpoint.dir": (Probe(CHECKPOINT_DIR, _checkpoint_root),
                        Runtime("tests/e2e/test_multinode.py::test_node_lost_mid_run_recovers_on_the_survivors",
                                "with checkpoint.dir set the run's checkpoints and latest.json are there and not in "

@@ -2,24 +2,27 @@
 
 A `Snapshot` of version v is the trainer state after v optimizer steps, as the trainers held
 it: one entry per training rank (its pieces of the layout, the replicated scalars) and object
-refs to its arrays (`param`, and the other kinds: optimizer moments, the reference weights).
-The arrays are task results owned by the driver and stored in the object store of each
-trainer's node (cluster/worker_recovery.py), so they survive the loss of the trainer's
-process. To survive the loss of the whole node (its object store goes with it), `take` has
-each shard replicated off-node before it returns: a worker on another node (`replica_holders`)
-pins a copy in its node's object store (`hold_replica`), and Ray, which knows both copies,
-reads the surviving one (when the primary's node dies, the owner makes the copy the primary).
-On a single node there is nowhere to replicate to, and nothing to replicate for.
+refs to its arrays (`param`, and the other kinds: optimizer moments, the reference weights;
+`others` is None for a parameters-only snapshot). The arrays are task results owned by the
+driver and stored in the object store of each trainer's node (cluster/worker_recovery.py), so
+they survive the loss of the trainer's process; the driver process never holds them. Which
+versions are full, and taking them off the step's path, is driver/snapshots.py's; `take` here
+is the blocking full snapshot (start, resume, after a replay, a checkpoint on demand). To
+survive the loss of the whole node (its object store goes with it), a full snapshot is
+replicated off-node (`replicate`): a worker on another node (`replica_holders`) pins a copy in
+its node's object store (`hold_replica`), and Ray, which knows both copies, reads the surviving
+one (when the primary's node dies, the owner makes the copy the primary). On a single node
+there is nowhere to replicate to, and nothing to replicate for.
 
 Invariants:
-- a snapshot is taken only when every trainer of the step has finished it, and the driver
-  notes a step's samples as consumed only after the snapshot of its result exists: restoring
-  the latest snapshot never applies a step twice nor loses one (docs/faults.md);
+- a snapshot is taken only when every trainer of the step has finished it; the driver keeps the
+  scored samples of every step since the latest full snapshot, so restoring it and replaying
+  them never applies a step twice nor loses one (docs/faults.md);
 - the shards' pieces tile [0, numel) (checked): any layout can be rebuilt from any other
   (reshard/sources.py), reading only the overlapping ranges, as on load of a checkpoint;
-- a snapshot whose shards have holders (`replicas`) is returned only once every replica is
-  pinned: a step's samples are consumed only when its state survives the loss of any one node;
-- holders keep the replicas of the last `KEEP_VERSIONS` versions (what the driver keeps);
+- a full snapshot whose shards have holders (`replicas`) counts only once every replica is
+  pinned: the base of a replay survives the loss of any one node;
+- holders keep the replicas of the last `KEEP_VERSIONS` versions (the driver keeps fewer full ones);
 - `write_checkpoint` writes the trainers' checkpoint format (roles/checkpoint.py: shards,
   then the manifest last), so a trainer loads it at any world size.
 """
@@ -149,9 +152,10 @@ def params_only(version: int, flat: np.ndarray, meta: dict) -> Snapshot:
     return Snapshot(version=version, metas=[m], params=[ray.put(flat)], others=None)
 
 
-def restore(cluster: Any, train: Snapshot, rollout: Snapshot) -> list[dict]:
-    """Trainers of the cluster's assignment from `train`, rollout devices from `rollout`'s
-    parameters (the version their next samples must come from). Returns the workers' timings."""
+def restore(cluster: Any, train: Snapshot) -> list[dict]:
+    """Trainers of the cluster's assignment from `train` (each reading only the shards that
+    overlap its pieces of the new layout); the rollout devices' replicas are placed anew, their
+    weights come next (`load_rollout`, fresh). Returns the workers' timings."""
     from dynaresize.types import ROLLOUT, TRAIN
 
     a = cluster.assignment
@@ -162,17 +166,15 @@ def restore(cluster: Any, train: Snapshot, rollout: Snapshot) -> list[dict]:
     for d in trainers:
         metas, refs = train.train_args([list(p) for p in new.rank_pieces(d)])
         calls.append((d, cluster.workers[d].restore_train.remote(metas, trainers, *refs)))
-    for d in rollers:
-        calls.append((d, cluster.workers[d].restore_rollout.remote(rollout.version, rollout.metas, *rollout.params,
-                                                                   fresh=True)))
     return cluster.wait(calls, "restore")
 
 
-def load_rollout(cluster: Any, snap: Snapshot) -> list[dict]:
-    """Give every rollout device the weights of `snap.version` (before a rollout that needs them)."""
+def load_rollout(cluster: Any, snap: Snapshot, *, fresh: bool = False) -> list[dict]:
+    """Give every rollout device the weights of `snap.version` (before a rollout that needs them;
+    `fresh`: after a recovery, the engines' running requests are dropped: the router re-issues them)."""
     from dynaresize.types import ROLLOUT
 
-    calls = [(d, cluster.workers[d].restore_rollout.remote(snap.version, snap.metas, *snap.params))
+    calls = [(d, cluster.workers[d].restore_rollout.remote(snap.version, snap.metas, *snap.params, fresh=fresh))
              for d in cluster.assignment.devices(ROLLOUT)]
     return cluster.wait(calls, f"rollout weights {snap.version}")
 

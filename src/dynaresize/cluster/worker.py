@@ -350,5 +350,6 @@ def worker_config(cfg: RunConfig) -> dict:
 
 
 def remote_worker_class():
-    """The Ray actor class; `ctl` is the thread for pings and faults (see the module docstring)."""
-    return ray.remote(concurrency_groups={"ctl": 1})(DeviceWorker)
+    """The Ray actor class; `ctl` is the thread for pings and faults (see the module docstring),
+    `snap` hands snapshot copies to the object store (cluster/worker_recovery.py)."""
+    return ray.remote(concurrency_groups={"ctl": 1, "snap": 1})(DeviceWorker)

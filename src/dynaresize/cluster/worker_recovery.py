@@ -6,9 +6,13 @@ nothing is stuck as a whole. `settle` (the issuing thread) returns only once eve
 call on that thread has ended: the driver's proof that a survivor is no longer inside a
 collective of the lost world (no other thread issues any).
 
-Snapshots: after each training step every trainer returns its state shards as task results
-(`snapshot_state`, three returns: a small meta dict with its pieces of the layout, its
-parameter pieces, and the other kinds: optimizer moments and reference weights).
+Snapshots: after a training step every trainer copies its state to host memory on a copy thread
+(`snapshot_begin`, on the issuing thread so it falls between the two steps; the parameters
+only, or every kind every K steps: driver/snapshots.py) and returns it as task results from
+the `snap` thread (`snapshot_take`, three returns: a small meta dict with its pieces of the
+layout, its parameter pieces, and the other kinds: optimizer moments and reference weights).
+The next optimizer step waits for the copy (`snapshot_gate`): that wait is the snapshot's only
+part on the step's critical path.
 Ray keeps results owned by the driver in the object store of the trainer's node, so they
 outlive the trainer process: survivors restore from them (`restore_train`, reading only the
 ranges they own in the new layout; `restore_rollout`, the full weights of a given version).
@@ -29,7 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
+from contextlib import nullcontext as _nullcontext
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -40,6 +46,59 @@ from dynaresize.cluster.faults import fire
 from dynaresize.comm import rendezvous
 from dynaresize.reshard.sources import ShardSource, array_fetch
 from dynaresize.roles.weight_sync import Staging, host_weights
+
+
+class _SnapJob:
+    """One host copy of a trainer's state, on its own thread: device -> (pinned) host, on a side
+    CUDA stream that waits for `event` (the step's kernels), so it overlaps the next step's
+    forward and backward; on the CPU a plain copy (numpy releases the GIL)."""
+
+    def __init__(self, meta: dict, pieces: dict[str, list], dtypes: dict, event: Any) -> None:
+        self.meta, self.done, self.seconds = meta, threading.Event(), 0.0
+        self.t0 = self.t1 = time.time()
+        self._out: dict[str, np.ndarray] = {}
+        self._err: BaseException | None = None
+        threading.Thread(target=self._copy, args=(pieces, dtypes, event), daemon=True).start()
+
+    def _copy(self, pieces: dict[str, list], dtypes: dict, event: Any) -> None:
+        self.t0 = time.time()
+        try:
+            stream = None
+            if event is not None:
+                stream = torch.cuda.Stream()
+                stream.wait_event(event)
+            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                for kind, parts in pieces.items():
+                    n = sum(int(t.numel()) for t in parts)
+                    buf = torch.empty(n, dtype=dtypes[kind], pin_memory=stream is not None)
+                    off = 0
+                    for t in parts:
+                        buf[off:off + t.numel()].copy_(t.reshape(-1), non_blocking=stream is not None)
+                        off += t.numel()
+                    self._out[kind] = buf
+            if stream is not None:
+                stream.synchronize()
+            self._out = {k: v.numpy() for k, v in self._out.items()}
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of `result`
+            self._err = exc
+        finally:
+            self.t1 = time.time()
+            self.seconds = self.t1 - self.t0
+            self.done.set()
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> "_SnapJob":
+        job = cls.__new__(cls)
+        job.meta, job.done, job.seconds, job._out, job._err = {}, threading.Event(), 0.0, {}, exc
+        job.t0 = job.t1 = time.time()
+        job.done.set()
+        return job
+
+    def result(self) -> dict[str, np.ndarray]:
+        self.done.wait()
+        if self._err is not None:
+            raise self._err
+        return dict(self._out)
 
 
 def _source(metas: Sequence[dict], arrays: Sequence[dict], partial: bool) -> ShardSource:
@@ -88,16 +147,76 @@ class RecoveryMixin:
 
     @ray.method(num_returns=3)
     def snapshot_state(self, version: int) -> tuple[dict, np.ndarray, dict]:
+        """A full snapshot now, on the issuing thread (a blocking one: start, resume, checkpoints)."""
+        self.snapshot_begin(version, "full")
+        return self.snapshot_take(version)
+
+    def snapshot_begin(self, version: int, kind: str) -> dict:
+        """Start the host copy of this trainer's state at `version` (`kind`: "full", every kind;
+        "params": the parameters only) on a copy thread, and return at once. On the issuing thread,
+        in the driver's order: it runs after the step that made `version` and before the next one,
+        whose optimizer step waits for the copy (`snapshot_gate`), so the copy reads `version`."""
+        try:
+            job = self._snap_job(version, kind)
+        except Exception as exc:
+            job = _SnapJob.failed(exc)  # its `snapshot_take` raises it (it waits for this job)
+            raise
+        finally:
+            self._snap_put(version, job)
+        return {"device": self.device, "version": version}
+
+    def _snap_put(self, version: int, job: "_SnapJob") -> None:
+        with self._snap_cv():
+            self.__dict__.setdefault("_snap_jobs", {})[version] = job
+            self._snap_cv().notify_all()
+
+    def _snap_cv(self) -> threading.Condition:
+        return self.__dict__.setdefault("_snap_cond", threading.Condition())  # atomic under the GIL
+
+    def _snap_job(self, version: int, kind: str) -> "_SnapJob":
         tr = self.trainer
-        if tr.step != version:
-            raise RuntimeError(f"snapshot of version {version} asked, trainer on device {self.device} is at {tr.step}")
-        state = {k: t.numpy() for k, t in tr.export_state().items()}
+        if tr is None or tr.step != version:
+            raise RuntimeError(f"snapshot of version {version} asked, device {self.device} holds "
+                               f"{None if tr is None else tr.step}")
         settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(tr.spec.optim).items()}
         meta = {"version": version, "index": tr.index, "pieces": [list(p) for p in tr.local_pieces()],
                 "numel": tr.layout.numel, "layout": tr.layout.describe(), "scalars": tr.scalars(),
-                "params": tr.param_meta(), "settings": settings}
-        param = state.pop("param")
-        return meta, param, state
+                "params": tr.param_meta(), "settings": settings, "snapshot_kind": kind}
+        kinds = tuple(tr.spec.kinds()) if kind == "full" else ("param",)
+        pieces = {k: list(tr.pieces(k)) for k in kinds}  # live views: the next optimizer step waits for the copy
+        event = None
+        if self.torch_device.type == "cuda":  # the copy stream starts after the step's kernels issued so far
+            event = torch.cuda.Event()
+            event.record()
+        return _SnapJob(meta, pieces, {k: tr.spec.dtype_of(k) for k in kinds}, event)
+
+    @ray.method(concurrency_group="snap", num_returns=3)
+    def snapshot_take(self, version: int) -> tuple[dict, np.ndarray, dict]:
+        """The copy `snapshot_begin` started, once done, as three task results (meta, parameters,
+        the other kinds): they go to this node's object store from the `snap` thread, off the
+        issuing thread, and outlive this process (Ray keeps results owned by the driver)."""
+        with self._snap_cv():  # the `snap` thread may get here before the issuing thread began it
+            self._snap_cv().wait_for(lambda: version in self.__dict__.get("_snap_jobs", {}))
+            job = self._snap_jobs[version]
+        try:
+            arrays = job.result()
+        finally:
+            with self._snap_cv():  # kept until done: `snapshot_gate` waits for every copy it finds
+                self._snap_jobs.pop(version, None)
+        meta = {**job.meta, "seconds": job.seconds, "t0": job.t0, "t1": job.t1,
+                "bytes": int(sum(a.nbytes for a in arrays.values())), "param_bytes": int(arrays["param"].nbytes)}
+        param = arrays.pop("param")
+        return meta, param, arrays
+
+    def snapshot_gate(self) -> float:
+        """Wait for the copies still running (before the state changes: an optimizer step);
+        the seconds waited, the part of a snapshot on the step's critical path."""
+        t0 = time.time()
+        with self._snap_cv():
+            jobs = list(self.__dict__.get("_snap_jobs", {}).values())
+        for job in jobs:
+            job.done.wait()
+        return time.time() - t0
 
     @ray.method(concurrency_group="ctl")
     def hold_replica(self, version: int, keep_from: int, index: int, param: np.ndarray, others: dict) -> dict:
@@ -128,6 +247,7 @@ class RecoveryMixin:
         the new training group (FSDP is set up on it).
         """
         t0 = time.time()
+        self.sync_image.reset()  # a restore resets the delta chain: the next sync is full (roles/delta_sync.py)
         ranks = tuple(sorted(int(r) for r in train_ranks))
         if self.engine is not None:
             self.engine.release()
@@ -145,6 +265,8 @@ class RecoveryMixin:
         recovery, whose router re-issues every request, so the engine's running ones are dropped."""
         if step is not None:
             self._maybe_fault("weight_sync", step)
+        if fresh:
+            self.sync_image.reset()  # a restore resets the delta chain (roles/delta_sync.py)
         if fresh and self.engine is not None:
             self._stop(list(self._served()), keep=False)  # through the turn loop too (worker_serve.py)
             self._forget_requests()

@@ -126,8 +126,10 @@ class TrainStageMixin:
         # The moments of the last resize moved on this thread before this call (the driver queued
         # their hand-off first); a pending or failed hand-off stops the step (cluster/handoff.py).
         self.moments.require_done()
+        snap_wait_s = self.snapshot_gate()  # a snapshot's host copy reads this state (worker_recovery.py)
         t_wait = time.time()
         stats.update(self.trainer.apply_optimizer())
+        stats["snap_wait_s"] = snap_wait_s
         stats.update(t0=t0, t_grads=t_grads, t_wait=t_wait, t1=time.time(), device=self.device,
                      version=self.trainer.step)
         return stats

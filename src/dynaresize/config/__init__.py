@@ -169,9 +169,14 @@ class TimeoutsConfig:
 class CheckpointConfig:
     every_steps: int = 0  # 0: only the final checkpoint
     dir: str | None = None  # run checkpoints here (a path every node sees); None: RUN_DIR/checkpoint
+    snapshot_every_steps: int = 0  # K: full in-memory snapshots every K steps (driver/snapshots.py); 0: Young/Daly
+    mtbf_s: float = 10800.0  # the mean time between failures that choosing K assumes (a job's, not a device's)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.every_steps >= 0, "every_steps", self.every_steps, "must be >= 0")
+        err.need(self.snapshot_every_steps >= 0, "snapshot_every_steps", self.snapshot_every_steps,
+                 "must be >= 0 (0: chosen from the snapshot cost and mtbf_s)")
+        err.need(math.isfinite(self.mtbf_s) and self.mtbf_s > 0, "mtbf_s", self.mtbf_s, "must be a positive number")
         if self.dir is not None:
             err.need(bool(self.dir.strip()), "dir", self.dir, "must be a directory path (or unset)")
 

@@ -9,10 +9,12 @@
    (`on_devices_lost`); if no legal split is left, `stop_run` ends the run cleanly;
 4. the survivors join a new world generation (fresh port and store), their pools cleared,
    and the groups of the new split are made;
-5. trainer state comes back from the latest snapshot (the state after the last step whose
-   samples the ledger counts as consumed); every rollout device gets the weights of the
-   version its next samples need; the window then redoes only what is not done, re-issuing
-   unfinished samples with their ids and seeds;
+5. trainer state comes back from the latest full snapshot (taken every K steps), and the steps
+   trained since are replayed from their kept scored samples (driver/snapshots.py), up to the
+   state after the last step whose samples the ledger counts as consumed; a full snapshot of
+   that state is taken (the new base); every rollout device gets the weights of the version its
+   next samples need; the window then redoes only what is not done, re-issuing unfinished
+   samples with their ids and seeds;
 6. a `recovery` record says what was lost and how long it took (from detection to restored),
    and which Ray nodes the run no longer has a device on (`lost_nodes`: a whole node lost).
 
@@ -20,7 +22,9 @@ A lost node loses the object store in which its trainers' snapshot shards live; 
 a replica on another node (cluster/snapshot.py), so step 5 is the same after a node loss.
 
 `stop_run(run, window, reason)`: drop (with the reason) every sample generated but not
-consumed, write a checkpoint of the last consistent point, write the summary, raise RunStopped.
+consumed, write a checkpoint of the last consistent point (the latest full snapshot: steps
+trained after it cannot be replayed without trainers, so their samples count as not consumed
+and are dropped too), write the summary, raise RunStopped.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class Recovery:
             lost.update(wedged)
             survivors = [r for r in survivors if r not in wedged]
             regroup.kill(cluster, sorted(lost))
+            run.snapshots.after_loss(down)  # ranks of this generation still: before the survivors re-form
             self._fault_records(w.step, lost, where)
             lost_ids += [cluster.ids[r] for r in sorted(lost)]
             try:
@@ -76,11 +81,16 @@ class Recovery:
                 regroup.new_generation(cluster, survivors, assignment)
                 run.assignment = assignment
                 t_restore = time.time()
-                rehomed = snapshot.rehome(cluster, run.snapshots, down)
+                rehomed = snapshot.rehome(cluster, dict(run.snapshots.items()), down)
                 t_rehomed = time.time()
-                train = run.snapshots[max(v for v, s in run.snapshots.items() if s.others is not None)]
-                rv = self._engine_version(w, train.version)
-                snapshot.restore(cluster, train, run.snapshots[rv])
+                train = run.snapshots[run.snapshots.latest_full()]
+                target = w.step + 1 if w.trained is not None else w.step  # the version the window stands at
+                snapshot.restore(cluster, train)
+                t_replay = time.time()
+                replayed = self._replay(train.version, target, w.step)
+                t_replayed = time.time()
+                rv = self._engine_version(w, target)
+                snapshot.load_rollout(cluster, run.snapshots[rv], fresh=True)
                 run.engine_version = rv
                 break
             except DevicesLost as again:  # ranks of the new generation
@@ -98,12 +108,43 @@ class Recovery:
                            num_devices=cluster.num_devices, wedged_devices=sorted(wedged_ids),
                            detect_to_start_s=t_start - t_detect, settle_s=t_world - t_start,
                            world_s=t_restore - t_world, restore_s=t_end - t_restore, generation=cluster.generation,
-                           trainer_version=train.version, rollout_version=rv, where=where,
+                           rollout_version=rv, where=where,
                            lost_nodes=_lost_nodes(cluster, lost_ids), rehomed_shards=rehomed,
-                           rehome_s=t_rehomed - t_restore,
+                           rehome_s=t_rehomed - t_restore, restored_version=train.version, trainer_version=target,
+                           replayed_steps=replayed, replay_s=t_replayed - t_replay,
                            assignment={"rollout": [cluster.ids[r] for r in assignment.devices("rollout")],
                                        "train": [cluster.ids[r] for r in assignment.devices("train")]})
         run.stats["recoveries"].append({k: rec[k] for k in ("step", "lost_devices", "recovery_s", "num_devices")})
+
+    def _replay(self, base: int, target: int, step: int) -> list[int]:
+        """Train the steps base .. target-1 again on the restored trainers, from their kept scored
+        samples, in order (deterministic mode: the state they reach equals the lost one); a weight
+        version the window still needs whose parameters snapshot the loss broke is taken again on
+        the way; then a full snapshot of `target`: the new base. Returns the steps replayed."""
+        from dynaresize.rl import grpo
+
+        run, snaps = self.run, self.run.snapshots
+        trainers = run.assignment.devices("train")
+        keep = run.stream.keep_from(step) if run.stream else step - 1
+        done = []
+        for s in range(base, target):
+            if s >= keep and s not in snaps:
+                snaps.params_now(s, trainers)
+            scored = snaps.replay[s]
+            mbs = grpo.micro_batches(scored.samples, run.cfg.train.micro_batch_size)
+            total = grpo.total_response_tokens(scored.samples)
+            if run.stream:  # as streaming trains (the loss scaled once the step's tokens are known), in one part
+                stats = run.cluster.train_part(s, list(enumerate(mbs)), begin=True, num_micro_batches=len(mbs),
+                                               total_tokens=total)
+            else:
+                stats = run.cluster.train(s, mbs, total)
+            for st in stats:
+                run.rec.emit("span", device=st["device"], name="train:replay", start_s=run.rel(st["t0"]),
+                             end_s=run.rel(st["t1"]), step=s, cat="train")
+            done.append(s)
+        if done:
+            snaps.recovered(target, trainers)
+        return done
 
     def _engine_version(self, w: Window, latest: int) -> int:
         """The version the rollout devices need: that of the next rollout still to finish."""
@@ -151,8 +192,15 @@ def _lost_nodes(cluster: Any, lost_ids: list[int]) -> list[str]:
 
 def stop_run(run: Any, w: Window, reason: str) -> NoReturn:
     """End the run at its last consistent point: checkpoint, dropped samples, summary; raise."""
-    boundary = max(v for v, s in run.snapshots.items() if s.others is not None)
+    try:
+        run.snapshots.after_loss(set())  # a full snapshot done but not yet collected counts
+    except Exception:  # noqa: BLE001 - a further loss: what was collected stands
+        pass
+    boundary = run.snapshots.latest_full()
     why = f"run stopped at step {boundary}: {reason}"
+    for e in run.ledger.entries.values():  # trained after the last full snapshot: no trainer left to replay them
+        if e.consumed_step is not None and e.consumed_step >= boundary:
+            e.consumed_step, e.times_consumed = None, e.times_consumed - 1
     dropped = run.ledger.stop_at(boundary, why)
     for step, buf in sorted(run.rollouts.items()):  # generated ahead, never scored
         for device, res in buf.results:

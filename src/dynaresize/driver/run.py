@@ -14,10 +14,10 @@ The same `Controller` drives the simulator; both emit the same records (docs/rec
 Semantics (README.md, "How it works") are kept by `Job` (what to generate and how to score is a
 function of sample ids only) and proven by the `Ledger`, whose verdict is `ledger_ok`.
 
-Faults (docs/faults.md): a window is a list of phases (`stepstate.Window`); a lost device
-interrupts it with `DevicesLost`, `Recovery` re-forms the cluster on the survivors and restores
-the last snapshot, and the window goes on with the phases not done. Checkpoints (periodic,
-final, and on a stop) are written from the same snapshots; `--resume` starts from one.
+Faults (docs/faults.md): a window is a list of phases (`stepstate.Window`); a lost device interrupts
+it with `DevicesLost`, `Recovery` re-forms the cluster on the survivors, restores the last full snapshot
+(taken every K steps, off the step's path: driver/snapshots.py) and replays the steps since; the window
+goes on with the phases not done. Checkpoints are written from full snapshots; `--resume` starts from one.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dynaresize.cluster import snapshot
 from dynaresize.cluster.cluster import Cluster, ResizeOutcome
 from dynaresize.cluster.faults import parse_faults
 from dynaresize.cluster.watchdog import DevicesLost
@@ -43,6 +42,7 @@ from dynaresize.driver.evaluation import Evaluator
 from dynaresize.driver.job import Job, ScoredStep
 from dynaresize.driver.ledger import Ledger, sample_record
 from dynaresize.driver.recovery import Recovery, stop_run
+from dynaresize.driver.snapshots import Snapshots
 from dynaresize.driver.step_report import StepReporting
 from dynaresize.emulate.clock import StepTiming
 from dynaresize.emulate.model import run_bounds
@@ -83,8 +83,8 @@ class Run(StepReporting):
         self.resizes: list[dict] = list(state.get("resizes", []))
         self.stats: dict = dict(state.get("stats") or {"faults_injected": 0, "faults_recovered": 0,
                                                         "recoveries": [], "elapsed_s": 0.0})
-        self.stats.setdefault("idle_device_s", 0.0)  # sums of the step records' idle (metrics.py)
-        self.stats.setdefault("tail_idle_device_s", 0.0)
+        for key in ("idle_device_s", "tail_idle_device_s"):  # sums of the step records' idle (metrics.py)
+            self.stats.setdefault(key, 0.0)
         self.t0 = time.time() - self.stats["elapsed_s"]  # a resumed run's times go on from the checkpoint
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
@@ -96,7 +96,7 @@ class Run(StepReporting):
             resume_records(self, resume)
         self.cluster = Cluster(cfg, on_event=self._on_event)
         self.timing = StepTiming(cfg, self.cluster.pacing.clock)  # emulated seconds, work and overhead
-        self.snapshots: dict[int, snapshot.Snapshot] = {}  # version -> trainer state (or weights only)
+        self.snapshots = Snapshots(self)  # version -> trainer state (or weights only), by interval
         self.rollouts: dict[int, StepRollout] = {}
         self.pending: ResizeOutcome | None = None
         self.last_critical_s: float | None = None
@@ -176,7 +176,7 @@ class Run(StepReporting):
         v = self.start_step
         if self.resume:
             self.resume.load_into(self.cluster)
-        self.snapshots[v] = snapshot.take(self.cluster, v, self.assignment.devices(TRAIN))
+        self.snapshots.start(v, self.assignment.devices(TRAIN))
         rv = rollout_version(v, self.cfg.train.staleness)
         if rv != v:
             self.snapshots[rv] = self.resume.rollout_snapshot()
@@ -225,9 +225,7 @@ class Run(StepReporting):
     def _prune(self, step: int) -> None:
         """Snapshots of versions step-1 .. step+1 (streaming: from max(0, step-eta)) and rollouts of
         steps >= step are all a window needs."""
-        keep = min(step - 1, self.stream.keep_from(step)) if self.stream else step - 1
-        for v in [v for v in self.snapshots if v < keep]:
-            del self.snapshots[v]
+        self.snapshots.prune(min(step - 1, self.stream.keep_from(step)) if self.stream else step - 1)
         for s in [s for s in self.rollouts if s < step]:
             del self.rollouts[s]
 
@@ -253,11 +251,7 @@ class Run(StepReporting):
         return self.dyn.complete_async(step) if self.dyn else self.cluster.rollout_async(step, buf.remaining)
 
     def _engines_at(self, version: int) -> None:
-        """Rollout devices hold `version` before a rollout that needs it: after the sync they
-        do; after a resume or a recovery (they then hold an older one) it comes from its snapshot."""
-        if self.engine_version != version:
-            snapshot.load_rollout(self.cluster, self.snapshots[version])
-            self.engine_version = version
+        self.snapshots.engines_at(version)
 
     def _absorb(self, step: int, outcome: Any) -> None:
         for sid in outcome.reissued:
@@ -271,9 +265,10 @@ class Run(StepReporting):
         return self._trained(step, scored, self.cluster.train(step, mbs, total))
 
     def _trained(self, step: int, scored: ScoredStep, stats: list[dict]) -> list[dict]:
-        """After step `step`'s optimizer step: snapshot version step+1, ledger, spans."""
-        # Consumed only once the new state is safe: a step redone after a loss counts once.
-        self.snapshots[step + 1] = snapshot.take(self.cluster, step + 1, self.assignment.devices(TRAIN))
+        """After step `step`'s optimizer step: snapshot of version step+1 started (not waited for), the
+        step kept for a replay (so its state is safe: consumed now), ledger, spans (driver/snapshots.py)."""
+        self.snapshots.after_train(step, stats, scored)
+        self.snapshots.begin(step + 1, self.assignment.devices(TRAIN))
         for s in scored.samples:
             self.ledger.consumed(s.sample_id, step)
             self.rec.emit("sample", **sample_record(self.ledger.entries[s.sample_id]))
@@ -303,6 +298,7 @@ class Run(StepReporting):
                 self.controller.on_resize_done(cmd.resize_id, 0.0, 0.0)  # the run ends: nothing to move
 
     def _resize(self, step: int, plan: ResizePlan) -> None:
+        self.snapshots.settle()  # the copies read the trainers' state before the reshard moves it
         outcome = self.cluster.resize(plan, version=step + 1, step=step,
                                       background_moments=self.cfg.reshard.background_moments)
         if self.stream:
@@ -346,6 +342,7 @@ class Run(StepReporting):
         comm = [] if stopped else self.cluster.comm_stats()
         if not stopped:
             self._save_hf()
+            self.snapshots.finish()
         problems = self.ledger.check()
         k = max(1, min(2, len(self.rewards) // 2))
         consumed = sum(1 for e in self.ledger.entries.values() if e.consumed_step is not None)
@@ -368,7 +365,7 @@ class Run(StepReporting):
             "max_staleness": max((e.consumed_step - e.version for e in self.ledger.entries.values()
                                   if e.consumed_step is not None), default=None),
             "rollout_engine_why": auto_hf_reason(self.cfg) if self.cfg.rollout.engine == "auto" else None,
-            "eval": self.evaluator.last,
+            "eval": self.evaluator.last, **self.snapshots.summary(),
         }
         timing = self.timing.summary(total_s)  # time unit, overhead, overruns (emulate/clock.py)
         # Emulated: the steps' emulated seconds (startup left out), the time the simulator predicts.

@@ -1,0 +1,319 @@
+"""The run's in-memory snapshots: full every K steps, parameters between, off the step's path.
+
+After step s's optimizer step the trainers start a host copy of version s+1 (cluster/
+worker_recovery.py `snapshot_begin`): every kind (parameters, moments, reference) when s+1 is a
+multiple of K, a checkpoint boundary or the run's end ("full"), the parameters only otherwise
+("params": enough to serve rollout pulls and the engines' weights after a loss). The copy runs on
+a copy thread of each trainer, overlapped with what follows (sync, scoring, the next step's
+forward and backward); the next optimizer step waits for it (its `snap_wait_s`). The arrays go to
+the object store of the trainer's own node from the worker's `snap` thread (task results owned by
+the driver, so they outlive the trainer's process; full ones also get a holder on another node on
+multi-node runs, cluster/snapshot.py); the driver never holds them and waits for none of it on
+the step's path: `poll` collects what is done.
+
+Recovery by replay: the scored samples of every step since the last full snapshot are kept
+(`replay`: small, prompt and response tokens); on a loss the trainers restore the last full
+snapshot and train those steps again (driver/recovery.py). Deterministic mode makes the replayed
+state equal the lost one (fixed micro-batch composition and reduction order).
+
+K: `checkpoint.snapshot_every_steps`, or Young/Daly from the start snapshot's measured seconds,
+`checkpoint.mtbf_s` and the first step's time (costmodel/snapshot_interval.py), said once.
+
+Invariants:
+- a full snapshot counts (`latest_full`) only once complete (every shard in the object store,
+  replicas pinned); the replay log keeps every step from the latest full one on, so the state
+  after any trained step is recoverable: the latest full snapshot plus its replay;
+- the copy of version v reads version v: `snapshot_begin` runs on the trainers' issuing thread
+  between the steps, and the next step's optimizer (or a resize: `settle`) waits for it;
+- one `snapshot` record per snapshot: step (its version), snapshot_kind, bytes, seconds (the
+  copy, slowest trainer), critical_s (the driver's issue and waits plus the optimizer's wait).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import ray
+
+from dynaresize.cluster import snapshot
+from dynaresize.costmodel.snapshot_interval import expected_replay_steps, snapshot_every
+from dynaresize.driver.console import say
+from dynaresize.pipeline.stepstate import rollout_version
+
+
+@dataclass
+class _Pending:
+    version: int
+    kind: str
+    devices: tuple[int, ...]
+    metas: list[Any]
+    params: list[Any]
+    others: list[Any]
+    issue_s: float
+    nodes: list[str] | None = None  # Ray node of each shard's primary (multi-node runs)
+    wait_s: float = 0.0
+    gate_s: float | None = None
+
+
+@dataclass
+class _Row:
+    """A completed snapshot's record fields, emitted once the optimizer's wait on it is known."""
+
+    fields: dict
+    gate_known: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class Snapshots:
+    """version -> `snapshot.Snapshot` (a mapping; a pending version is completed when read)."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        cfg = run.cfg
+        self.every: int | None = cfg.checkpoint.snapshot_every_steps or None
+        self.done: dict[int, snapshot.Snapshot] = {}
+        self.pending: dict[int, _Pending] = {}
+        self.replay: dict[int, Any] = {}  # step -> its ScoredStep, for every step since the latest full
+        self.rows: dict[int, _Row] = {}
+        self.full_s: float | None = None  # the start snapshot's copy seconds (Young/Daly's cost)
+        self.bytes_total = 0  # bytes of the per-step snapshots (not the start's nor a recovery's)
+        self.steps_snapshotted = 0
+        self.kinds: dict[str, int] = {"full": 0, "params": 0}
+        self._t_prev: float | None = None
+
+    # ------------------------------------------------------------------ mapping
+
+    def __getitem__(self, version: int) -> snapshot.Snapshot:
+        if version in self.pending:
+            self.complete(version)
+        return self.done[version]
+
+    def __setitem__(self, version: int, snap: snapshot.Snapshot) -> None:
+        self.done[version] = snap
+
+    def __contains__(self, version: object) -> bool:
+        return version in self.done or version in self.pending
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(set(self.done) | set(self.pending)))
+
+    def items(self) -> list[tuple[int, snapshot.Snapshot]]:
+        """The completed snapshots (a pending one is not usable yet)."""
+        return sorted(self.done.items())
+
+    def latest_full(self) -> int:
+        return max(v for v, s in self.done.items() if s.others is not None)
+
+    # ------------------------------------------------------------------ taking
+
+    def start(self, version: int, devices: tuple[int, ...]) -> None:
+        """The blocking full snapshot at the run's start (or resume): its cost sets K."""
+        t0 = time.time()
+        snap = snapshot.take(self.run.cluster, version, devices)
+        self.done[version] = snap
+        self.full_s = max(m.get("seconds", 0.0) for m in snap.metas)
+        self._row(version, "full", snap.metas, seconds=self.full_s, critical_s=time.time() - t0, cause="start")
+        self._t_prev = time.time()
+        self._check_capacity(snap)
+        if self.every is not None:
+            say(f"dynaresize: full snapshots every {self.every} steps (checkpoint.snapshot_every_steps); "
+                "parameters-only copies between, recovery replays the steps since the last full one")
+
+    def kind_for(self, version: int) -> str:
+        cfg = self.run.cfg
+        every_ckpt = cfg.checkpoint.every_steps
+        if version >= cfg.steps or (every_ckpt and version % every_ckpt == 0):
+            return "full"  # a checkpoint is written from it
+        if self.every is not None and version % self.every == 0:
+            return "full"
+        return "params"
+
+    def _choose_every(self) -> None:
+        """Young/Daly's K, once: from the start snapshot's cost and the first step's time."""
+        if self.every is not None:
+            return
+        cfg = self.run.cfg
+        step_s = time.time() - (self._t_prev or time.time())
+        self.every = snapshot_every(0, self.full_s or 0.0, cfg.checkpoint.mtbf_s, step_s)
+        say(f"dynaresize: full snapshots every {self.every} steps (Young/Daly: a full snapshot "
+            f"{self.full_s or 0.0:.3f} s, checkpoint.mtbf_s {cfg.checkpoint.mtbf_s:g} s, the first step "
+            f"{step_s:.2f} s; checkpoint.snapshot_every_steps sets it); expected replay per fault "
+            f"{expected_replay_steps(self.every):.1f} steps")
+
+    def begin(self, version: int, devices: tuple[int, ...], kind: str | None = None) -> None:
+        """Start the snapshot of `version` on the trainers `devices` and return (module docstring)."""
+        self._choose_every()
+        t0 = time.time()
+        kind = kind or self.kind_for(version)
+        cluster = self.run.cluster
+        workers = cluster.workers
+        for d in devices:
+            workers[d].snapshot_begin.remote(version, kind)  # the issuing thread: before the next step
+        calls = [workers[d].snapshot_take.remote(version) for d in devices]
+        self.pending[version] = _Pending(version=version, kind=kind, devices=tuple(devices),
+                                         metas=[c[0] for c in calls], params=[c[1] for c in calls],
+                                         others=[c[2] for c in calls], issue_s=time.time() - t0,
+                                         nodes=[cluster.node_of(d) for d in devices] if cluster.nodes else None)
+
+    def after_train(self, step: int, stats: list[dict], scored: Any) -> None:
+        """Step `step` is trained: keep it for a replay; its optimizer waited `snap_wait_s` for the
+        copy of version `step`."""
+        self.replay[step] = scored
+        gate = max((st.get("snap_wait_s", 0.0) for st in stats), default=0.0)
+        if step in self.pending:
+            self.pending[step].gate_s = gate
+        elif step in self.rows and not self.rows[step].gate_known:
+            row = self.rows[step]
+            row.fields["critical_s"] += gate
+            row.gate_known = True
+        self.poll()
+
+    def complete(self, version: int) -> snapshot.Snapshot:
+        """Wait for the pending snapshot of `version` (the watchdog's wait: a lost trainer raises
+        `DevicesLost`) and make it usable."""
+        p = self.pending[version]
+        t0 = time.time()
+        metas = self.run.cluster.wait(list(zip(p.devices, p.metas)), f"snapshot {version}")
+        return self._commit(p, metas, replicate=True, t0=t0)
+
+    def _commit(self, p: _Pending, metas: list[dict], *, replicate: bool, t0: float) -> snapshot.Snapshot:
+        cluster, version = self.run.cluster, p.version
+        snap = snapshot.Snapshot(version=version, metas=metas, params=p.params,
+                                 others=p.others if p.kind == "full" else None)
+        if p.kind == "full" and replicate:
+            snapshot.replicate(cluster, snap, p.devices)
+        elif getattr(cluster, "nodes", None):
+            snap.nodes = list(p.nodes or [])
+        p.wait_s += time.time() - t0
+        del self.pending[version]
+        self.done[version] = snap
+        seconds = max(m["seconds"] for m in metas)
+        self._row(version, p.kind, metas, seconds=seconds, critical_s=p.issue_s + p.wait_s + (p.gate_s or 0.0),
+                  cause="step", gate_known=p.gate_s is not None)
+        self.bytes_total += sum(m["bytes"] for m in metas)
+        self.steps_snapshotted += 1
+        self.kinds[p.kind] += 1
+        if p.kind == "full":
+            self.replay = {s: v for s, v in self.replay.items() if s >= version}
+        return snap
+
+    def poll(self) -> None:
+        """Complete the pending snapshots whose results are all in (no waiting); emit the records
+        of those whose optimizer wait is known."""
+        for v in sorted(self.pending):
+            refs = self.pending[v].metas
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) < len(refs):
+                break  # in version order: a full snapshot counts only after the ones before it
+            self.complete(v)
+        self._emit(final=False)
+
+    def settle(self) -> None:
+        """Every pending snapshot complete (before the trainers' state moves: a resize, the end)."""
+        for v in sorted(self.pending):
+            self.complete(v)
+        self._emit(final=False)
+
+    def finish(self) -> None:
+        self.settle()
+        self._emit(final=True)
+
+    def engines_at(self, version: int) -> None:
+        """Rollout devices hold `version` before a rollout that needs it: after the sync they
+        do; after a resume or a recovery (they then hold an older one) it comes from its snapshot."""
+        run = self.run
+        if run.engine_version != version:
+            snapshot.load_rollout(run.cluster, self[version])
+            run.engine_version = version
+
+    # ------------------------------------------------------------------ after a loss
+
+    def after_loss(self, down: set[str]) -> list[int]:
+        """Before the survivors re-form (ranks of the lost generation), drop what a loss broke: pending snapshots with a lost trainer (their results never come)
+        and parameters-only ones with a shard on a dead node (not replicated). Returns the versions
+        dropped."""
+        dropped = []
+        for v in sorted(self.pending):
+            try:
+                metas = ray.get(self.pending[v].metas, timeout=self.run.cfg.timeouts.collective_s)
+            except Exception:  # noqa: BLE001 - a lost trainer's result: the snapshot is gone
+                del self.pending[v]
+                dropped.append(v)
+                continue
+            # Not replicated now (its holders may be the lost ones): a full one counts on its primaries.
+            self._commit(self.pending[v], metas, replicate=False, t0=time.time())
+        for v, s in list(self.done.items()):
+            if s.others is None and s.nodes and set(s.nodes) & down:
+                del self.done[v]
+                dropped.append(v)
+        return dropped
+
+    def recovered(self, version: int, devices: tuple[int, ...]) -> float:
+        """A blocking full snapshot of the replayed state (the new base); its seconds."""
+        t0 = time.time()
+        snap = snapshot.take(self.run.cluster, version, devices)
+        self.done[version] = snap
+        self.replay = {s: v for s, v in self.replay.items() if s >= version}
+        self._row(version, "full", snap.metas, seconds=max(m.get("seconds", 0.0) for m in snap.metas),
+                  critical_s=time.time() - t0, cause="recovery")
+        self._emit(final=False)
+        return time.time() - t0
+
+    def params_now(self, version: int, devices: tuple[int, ...]) -> None:
+        """A blocking parameters-only snapshot (a replayed version a rollout needs)."""
+        self.begin(version, devices, "params")
+        self.complete(version)
+        self.rows[version].fields["cause"] = "recovery"
+
+    # ------------------------------------------------------------------ upkeep and outputs
+
+    def prune(self, keep_from: int) -> None:
+        """Drop completed versions below `keep_from`, except the latest full one and the weight
+        versions a checkpoint of it needs (rollout_version(F) .. F)."""
+        eta = self.run.cfg.train.staleness
+        try:
+            f = self.latest_full()
+        except ValueError:
+            f = None
+        lo = rollout_version(f, max(eta, 1)) if f is not None else keep_from
+        for v in [v for v in self.done if v < keep_from and not (f is not None and lo <= v <= f)]:
+            del self.done[v]
+
+    def _row(self, version: int, kind: str, metas: list[dict], *, seconds: float, critical_s: float, cause: str,
+             gate_known: bool = True) -> None:
+        self.rows[version] = _Row(fields={"step": version, "snapshot_kind": kind,
+                                          "bytes": int(sum(m.get("bytes", 0) for m in metas)),
+                                          "seconds": seconds, "critical_s": critical_s, "cause": cause,
+                                          "shards": len(metas)}, gate_known=gate_known)
+
+    def _emit(self, *, final: bool) -> None:
+        for v in sorted(self.rows):
+            row = self.rows[v]
+            if row.gate_known or final:
+                self.run.rec.emit("snapshot", **row.fields)
+                del self.rows[v]
+
+    def _check_capacity(self, snap: snapshot.Snapshot) -> None:
+        """Say in one line when what the run keeps would not fit in the object store."""
+        cfg = self.run.cfg
+        full = sum(m.get("bytes", 0) for m in snap.metas)
+        params = sum(m.get("param_bytes", 0) for m in snap.metas)
+        copies = 2 if getattr(self.run.cluster, "nodes", None) else 1  # a holder on another node
+        kept = copies * 2 * full + (max(cfg.train.staleness, 1) + 2) * params
+        try:
+            capacity = float(ray.cluster_resources().get("object_store_memory", 0.0))
+        except Exception:  # noqa: BLE001 - no cluster view: nothing to compare with
+            return
+        self.kept_bytes, self.capacity_bytes = kept, capacity
+        if capacity and kept > capacity:
+            say(f"dynaresize: the snapshots this run keeps (~{kept / 2**30:.1f} GiB: 2 full of "
+                f"{full / 2**30:.2f} GiB x {copies} cop{'ies' if copies > 1 else 'y'} + parameter copies) would not "
+                f"fit in Ray's object store ({capacity / 2**30:.1f} GiB): raise it (ray start --object-store-memory) "
+                "or expect spilling to disk")
+
+    def summary(self) -> dict:
+        steps = max(1, self.steps_snapshotted)
+        return {"snapshot_every": self.every, "snapshot_bytes_per_step": self.bytes_total / steps,
+                "snapshots_full": self.kinds["full"], "snapshots_params": self.kinds["params"]}
