@@ -88,3 +88,12 @@ def test_deterministic_run_with_filtering_and_moves_equals_the_static_run(ray_lo
     print(f"\nDAPO filtering, staleness {staleness}: gen_batches {[r['gen_batches'] for r in moved]}, filtered "
           f"{[r['groups_filtered'] for r in moved]}; max |moved - static| parameter difference {worst:.3g}")
     assert worst <= 1e-6
+    # a filtered step trains in one part (its kept groups are known only once filtered), also
+    # streaming, where an unfiltered step trains in parts as its groups arrive: one span per
+    # training device and step
+    for d in ("moved", "static"):
+        spans: dict = {}
+        for r in records(tmp_path / d, "span"):
+            if r["name"] == "train":
+                spans[(r["step"], r["device"])] = spans.get((r["step"], r["device"]), 0) + 1
+        assert spans and set(spans.values()) == {1}, spans
