@@ -3,7 +3,7 @@
 
 import pytest
 
-from dynaresize.pipeline.dispatch import batch_position, replica_shares
+from dynaresize.pipeline.dispatch import batch_position, replica_shares, stream_shares
 
 
 def _ids(prompts, samples, step=3):
@@ -37,3 +37,17 @@ def test_bad_input():
         replica_shares(_ids(1, 2), 0, 2)
     with pytest.raises(ValueError, match="twice"):
         replica_shares([(0, 0, 0), (0, 0, 0)], 2, 2)
+
+
+def test_stream_shares_are_consecutive_runs_at_most_an_engines_slots():
+    ids = _ids(16, 4)
+    shuffled = ids[40:] + ids[:40]
+    shares = [[shuffled[i] for i in s] for s in stream_shares(shuffled, 2, 4, slots=64)]
+    assert shares == [ids[:32], ids[32:]]  # ceil(64 / 2) consecutive samples each, whole groups
+    assert [len(s) for s in stream_shares(ids, 2, 4, slots=20)] == [20, 20, 20, 4]  # capped at the slots
+    assert [len(s) for s in stream_shares(ids, 3, 4, slots=64)] == [22, 22, 20]
+    assert stream_shares(ids[:3], 8, 4, slots=64) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="slots"):
+        stream_shares(ids, 2, 4, slots=0)
+    with pytest.raises(ValueError, match="twice"):
+        stream_shares([(0, 0, 0), (0, 0, 0)], 2, 2, slots=4)

@@ -293,6 +293,11 @@ def test_router_sends_each_device_its_replica_at_once():
     stream = pacing.rollout_chunks(2, groups, 4, stream=True)  # the streaming pipeline's shares
     assert [[pacing.emulator.sample_index(r.sample_id) for r in c] for c in stream] == \
         [list(p) for p, *_ in pacing.emulator.stream_plan(2, 4)]
+    # paced as the simulator times each share (the same cut as unpaced, pipeline.dispatch.stream_shares)
+    assert [(c.pace_s, c.body_s) for c in stream] == \
+        [pytest.approx((t, b)) for _, t, b, _ in pacing.emulator.stream_plan(2, 4)]
+    assert [[r.sample_id for r in c] for c in unpaced.rollout_chunks(2, groups, 4, stream=True)] == \
+        [[r.sample_id for r in c] for c in stream]
 
 
 def test_emulate_flag_replaces_the_presets_emulation_and_its_time_scale():

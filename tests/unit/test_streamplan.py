@@ -130,6 +130,25 @@ def test_admission_takes_the_next_item_of_the_same_version_under_tails_only():
     assert q.idle([0]) and all(q.complete(s) for s in range(3)) and not q.complete(3)
 
 
+def test_admission_takes_items_that_fit_in_the_free_slots_of_the_same_version():
+    """Request-level admission: while an engine runs items in their body it takes the next one
+    only if it fits in its free slots; a version change still waits for the tails."""
+    q = StreamQueue(eta=2)
+    q.add_engine(0, 0)
+    for s in range(4):
+        q.release(s, [[f"r{s}{i}" for i in range(32)]])  # one share of 32 requests a step
+    assert q.next_for(0, free=64).step == 0  # an empty engine takes one whatever its slots
+    assert q.next_for(0, free=31) is None  # 32 requests do not fit in 31 free slots
+    assert q.next_for(0, free=32).step == 1 and q.busy[0] == [0, 1]  # it fits: held at once
+    assert q.next_for(0, free=0) is None
+    assert q.next_for(0, admitting=True).step == 2  # in the tail: admitted whatever the slots
+    assert q.head_step() == 3 and q.next_for(0, free=10**6) is None  # version 1 waits for every item
+    for step in (0, 1, 2):
+        q.done(0, step)
+    last = q.next_for(0, free=0)
+    assert (last.step, last.version, last.pull) == (3, 1, True) and q.head_step() == -1
+
+
 def test_moved_requests_go_back_first_as_a_new_item_of_their_step():
     q = StreamQueue(eta=2)
     q.add_engine(0, 0)

@@ -19,7 +19,8 @@ model removes: what they take beyond their paced time is the step's overhead, no
 
 Driver side (`DriverPacing`, one per `Cluster`): which calls are paced and to what (from the
 run's `emulate.model.Emulator`); the rollout router's work split (`rollout_chunks`: the simulator's
-replicas, each replica's share sent at once as one continuous batch, paced or not); driver-side pacing of a
+replicas, each replica's share sent at once as one continuous batch, paced or not; streaming:
+the simulator's shares, cut at an engine's slots, `engine_slots`); driver-side pacing of a
 resize's critical ops (`after_op`); the run's clock, on which every paced interval is put
 (emulate.clock.EmulatedClock); and the real and paced times of the stage calls, which the runtime
 takes per step (`overrun`, `real_fraction`). Without `cluster.emulate` nothing is paced: every
@@ -38,7 +39,7 @@ from typing import Any, Callable
 
 from dynaresize.emulate.clock import EmulatedClock
 from dynaresize.emulate.model import Emulator, time_scale_of
-from dynaresize.pipeline.dispatch import replica_shares
+from dynaresize.pipeline.dispatch import replica_shares, stream_shares
 
 
 def pace(result: Any, start: float, emulated_s: float, time_scale: float, *,
@@ -80,6 +81,7 @@ class DriverPacing:
     def __init__(self, cfg: Any) -> None:
         self.emulator: Emulator | None = Emulator.from_config(cfg)
         self.samples_per_prompt = int(cfg.rollout.samples_per_prompt)
+        self.max_num_seqs = int(cfg.rollout.vllm_max_num_seqs)
         self.time_scale = time_scale_of(cfg.cluster)
         self.clock = EmulatedClock(self.time_scale)  # paced work counts time_scale x (emulate/clock.py)
         self._lock = threading.Lock()
@@ -110,8 +112,8 @@ class DriverPacing:
         """The router's queue. One-step-off: one item per rollout replica, its share of the
         step's requests sent at once (`pipeline.dispatch.replica_shares`, the simulator's split),
         paced to the replica's modelled time when emulating: the same items either way. With
-        `stream`, emulated: the streaming pipeline's shares of consecutive samples
-        (`Emulator.stream_plan`), unpaced: the groups as given (the router admits them).
+        `stream`: the streaming pipeline's shares of consecutive samples, at most an engine's
+        slots each (`_stream_chunks`), paced when emulating: again the same items either way.
         Evaluation (step < 0) keeps its groups; requests not in `groups` are left out."""
         if num_devices < 1 or step < 0:
             return list(groups)
@@ -134,16 +136,28 @@ class DriverPacing:
         return chunks
 
     def _stream_chunks(self, step: int, groups: list[list[Any]], num_devices: int) -> list[list[Any]]:
+        """The streaming items: `pipeline.dispatch.stream_shares` of the requests given, cut at
+        the engine's slots (`engine_slots`), the same on the unpaced and the emulated runtime;
+        emulated, each is paced as the simulator times that share on one replica from its first
+        token (`Emulator.moved_share`, which for a whole step's share is `StageModel.chunk`)."""
+        flat = [r for g in groups for r in g]
+        shares = [[flat[i] for i in share] for share in
+                  stream_shares([r.sample_id for r in flat], num_devices, self.samples_per_prompt,
+                                self.engine_slots(step))]
         if self.emulator is None:
-            return list(groups)
+            return shares
         index = self.emulator.sample_index
-        present = {index(r.sample_id): r for g in groups for r in g}
-        chunks = []
-        for positions, pace_s, *share in self.emulator.stream_plan(step, num_devices):
-            mine = [present[i] for i in positions if i in present]
-            if mine:
-                chunks.append(self._paced(mine, pace_s, *share))
-        return chunks
+        return [self._paced(mine, *self.emulator.moved_share(step, [index(r.sample_id) for r in mine]))
+                for mine in shares]
+
+    def engine_slots(self, step: int) -> int:
+        """Requests one rollout engine holds at once, the streaming router's admission limit:
+        `rollout.vllm_max_num_seqs` (an engine's scheduler admits beyond its KV as blocks free),
+        emulated the emulated replica's (`StageModel.slots`: max_num_seqs and KV for the step's
+        lengths)."""
+        if self.emulator is None or step < 0:
+            return self.max_num_seqs
+        return int(self.emulator.stages.slots(step))
 
     def _paced(self, mine: list[Any], pace_s: float, body_s: float | None = None,
                longest: int | None = None) -> PacedRequests:

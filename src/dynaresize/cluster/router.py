@@ -9,7 +9,7 @@ the next call at once while the engine has requests. Between two calls the worke
 whatever else the driver queued for it (a weight pull, the ops of a resize).
 
 - Admission: an engine runs several items; it takes another (of the version it holds) once
-  every item it runs is down to its last request (`_Item.in_body`), as the simulator's `admit`.
+  every item it runs is down to its last request (`StreamItem.in_body`), as the simulator's `admit`.
 - Weights: an engine that must change version pulls it from the driver's snapshot of that
   version (`restore_rollout`, queued on the actor before the `serve` that starts the item;
   emulated: paced to the weight sync's modelled time). In deterministic mode the engine's
@@ -17,9 +17,10 @@ whatever else the driver queued for it (a weight pull, the ops of a resize).
   rollout (`rollout.partial`) the pull may come while tails run: they go on under the new
   weights, and their results say which version made which tokens.
 - Emulated accelerators: a result is delivered at the time the emulator gives its request
-  (`_pace`), not when the tiny real model finished it: the share's longest request at the
-  share's modelled end, the others when its body ends (`StageModel.chunk`), as the simulator
-  times them; a pull under running tails moves their ends by the pull (partial rollout).
+  (`pacing.request_due`), not when the tiny real model finished it: the share's longest request
+  at the share's modelled end, the others when its body ends (`StageModel.chunk`), as the
+  simulator times a share on a replica; a share admitted while others run is timed from the end
+  of their body (the simulator runs a replica's shares one after another, tails overlapping); a pull under running tails moves their ends by the pull (partial rollout).
 - `migrate(devices)`, the `migrate_requests` op of a rollout -> train move: the requests in
   flight on leaving engines stop there and go back to the front of the queue (same sample
   ids and seeds; with their prefix under partial rollout), for the remaining engines. The
@@ -37,12 +38,12 @@ whatever else the driver queued for it (a weight pull, the ops of a resize).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
 
 from dynaresize.cluster.replicas import ReplicaCall
+from dynaresize.cluster.router_engines import StreamEngine, StreamItem, admission_order
 from dynaresize.cluster.watchdog import DevicesLost
 from dynaresize.pipeline.stepstate import StepRollout
 from dynaresize.pipeline.streamplan import StreamQueue
@@ -50,38 +51,6 @@ from dynaresize.types import ROLLOUT
 
 WAKE_S = 0.02  # how often a pump looks at its stop condition while calls run
 SERVE_SLICE_S = 0.1  # longest a `serve` call runs engine iterations before it answers
-
-
-@dataclass(eq=False)
-class _Item:
-    """One dispatched item (a prompt group, or an emulated share) on one engine."""
-
-    step: int
-    requests: Any  # list of GenRequest (PacedRequests when emulated)
-    t0: float  # dispatched
-    pending: dict = field(default_factory=dict)  # sample id -> request, not yet delivered
-    due: dict = field(default_factory=dict)  # emulated: sample id -> when it may be delivered
-    held: dict = field(default_factory=dict)  # emulated: sample id -> result come back before it is due
-    real_end: float = 0.0
-
-    @property
-    def in_body(self) -> bool:
-        """More than its last request still to come (the engine does not admit yet)."""
-        return len(self.pending) > 1
-
-
-@dataclass(eq=False)
-class _Engine:
-    """A replica's engine (keyed by its leader rank; its TP ranks get every call alike)."""
-
-    ranks: tuple[int, ...] = ()
-    items: list[_Item] = field(default_factory=list)
-    to_add: list = field(default_factory=list)  # requests for its next `serve` call
-    ref: Any = None  # its `serve` call in flight (a replicas.ReplicaCall)
-    running: int = 0  # requests it said it still runs
-    pulls: list = field(default_factory=list)  # weight pulls queued before its next serve
-    busy_until: float = 0.0  # end of the last span recorded (spans are the union of its items)
-    spans: list = field(default_factory=list)  # (admitted, delivered or None) of each request
 
 
 class StreamRouter:
@@ -94,7 +63,7 @@ class StreamRouter:
         self.buffers = buffers  # step -> StepRollout (the runtime's `rollouts`)
         self.weights = weights  # version -> snapshot.Snapshot holding its parameters
         self.digests = digests  # version -> trainers' digest (deterministic mode), else None
-        self.engines: dict[int, _Engine] = {}
+        self.engines: dict[int, StreamEngine] = {}
         self.calls: list[tuple[int, int, float, float]] = []  # (device, step, t0, t1) ended since `take_calls`
         self.pulls: list[dict] = []  # weight pulls ended since `take_pulls`
         self.items_per_step: dict[int, int] = {}  # step -> items it was cut into
@@ -123,7 +92,7 @@ class StreamRouter:
         for rep in self.cluster.replicas():
             if want & set(rep):
                 self.queue.add_engine(rep[0], version)
-                self.engines[rep[0]] = _Engine(ranks=rep)
+                self.engines[rep[0]] = StreamEngine(ranks=rep)
 
     def remove_engines(self, devices) -> None:
         for d in self._leaders(devices):
@@ -137,37 +106,48 @@ class StreamRouter:
 
     # ------------------------------------------------------------------ pumping
 
-    def _admitting(self, e: _Engine) -> bool:
-        return not any(it.in_body for it in e.items)
-
     def _dispatch(self) -> None:
+        """Admission rounds (cluster/router_engines.py): each open engine, the emptiest first,
+        takes at most one item per round, until a round admits nothing."""
         c = self.cluster
-        for d in c.assignment.devices(ROLLOUT):
-            e = self.engines.get(d)
-            while e is not None and not self._down(e):
-                nxt = self.queue.next_for(d, admitting=self._admitting(e), partial=self.partial)
-                if nxt is None:
-                    break
-                now, pull_s = time.time(), 0.0
-                c.reach("rollout", nxt.step, list(e.ranks))  # the fault point of generating (cluster/faults.py)
-                if nxt.pull:
-                    snap = self.weights(nxt.version)
-                    c.reach("weight_sync", nxt.step, list(e.ranks))  # the fault point of a pull (cluster/faults.py)
-                    for r in e.ranks:  # every TP rank loads the full weights (its loaders slice them)
-                        pull = c.pacing.call(c.workers[r], "restore_rollout", nxt.version, snap.metas, *snap.params,
-                                             pace_s=c.pacing.sync_s(), step=nxt.step)
-                        if self.digests is not None and nxt.version in self.digests:
-                            pull = (pull, c.workers[r].engine_digest.remote())
-                        e.pulls.append((nxt.step, r, pull))
-                    pull_s = c.pacing.wall_s(c.pacing.sync_s())
-                    for it in e.items:  # partial rollout: the tails pause for the pull
-                        it.due = {s: t + pull_s for s, t in it.due.items()}
-                item = _Item(step=nxt.step, requests=nxt.item, t0=now,
-                             pending={tuple(r.sample_id): r for r in nxt.item})
-                item.due = c.pacing.request_due(nxt.item, now + pull_s)
-                e.items.append(item)
-                e.to_add.extend(nxt.item)
-                e.spans.extend([now, None] for _ in nxt.item)
+        while True:
+            took = False
+            for d in admission_order({d: e for d, e in self.engines.items() if d in c.assignment.devices(ROLLOUT)}):
+                e = self.engines[d]
+                if self._down(e):
+                    continue
+                nxt = self.queue.next_for(d, admitting=e.in_tail, partial=self.partial,
+                                          free=e.free(c.pacing.engine_slots(self.queue.head_step())))
+                if nxt is not None:
+                    self._start(d, e, nxt)
+                    took = True
+            if not took:
+                return
+
+    def _start(self, d: int, e: StreamEngine, nxt: Any) -> None:
+        """Engine `d` takes item `nxt` (a streamplan.Dispatch): its pull first when it needs one."""
+        c = self.cluster
+        now, pull_s = time.time(), 0.0
+        c.reach("rollout", nxt.step, list(e.ranks))  # the fault point of generating (cluster/faults.py)
+        if nxt.pull:
+            snap = self.weights(nxt.version)
+            c.reach("weight_sync", nxt.step, list(e.ranks))  # the fault point of a pull (cluster/faults.py)
+            for r in e.ranks:  # every TP rank loads the full weights (its loaders slice them)
+                pull = c.pacing.call(c.workers[r], "restore_rollout", nxt.version, snap.metas, *snap.params,
+                                     pace_s=c.pacing.sync_s(), step=nxt.step)
+                if self.digests is not None and nxt.version in self.digests:
+                    pull = (pull, c.workers[r].engine_digest.remote())
+                e.pulls.append((nxt.step, r, pull))
+            pull_s = c.pacing.wall_s(c.pacing.sync_s())
+            for it in e.items:  # partial rollout: the tails pause for the pull
+                it.due = {s: t + pull_s for s, t in it.due.items()}
+        item = StreamItem(step=nxt.step, requests=nxt.item, t0=now, pending={tuple(r.sample_id): r for r in nxt.item})
+        # emulated: timed from the end of the body of what the engine already runs, as the
+        # simulator runs a replica's shares one after another with their tails overlapping
+        item.due = c.pacing.request_due(nxt.item, max([now + pull_s] + [min(it.due.values()) for it in e.items if it.due]))
+        e.items.append(item)
+        e.to_add.extend(nxt.item)
+        e.spans.extend([now, None] for _ in nxt.item)
 
     def _serve(self, inflight: dict) -> None:
         """A `serve` call to every engine with requests to start or still running and none in flight."""
@@ -178,7 +158,7 @@ class StreamRouter:
                 e.to_add, e.running = [], len(e.to_add) + e.running
                 inflight.update(e.ref.refs)
 
-    def _down(self, e: _Engine) -> bool:
+    def _down(self, e: StreamEngine) -> bool:
         """A replica with a lost rank is lost whole."""
         return any(r in self.cluster.watchdog.lost for r in e.ranks)
 
@@ -239,7 +219,7 @@ class StreamRouter:
                 for sid in [s for s in item.held if item.due.get(s, 0.0) <= now]:
                     self._deliver(d, e, item, sid)
 
-    def _deliver(self, d: int, e: _Engine, item: _Item, sid: tuple) -> None:
+    def _deliver(self, d: int, e: StreamEngine, item: StreamItem, sid: tuple) -> None:
         c = self.cluster
         res = item.held.pop(sid)
         item.pending.pop(sid)
@@ -286,7 +266,7 @@ class StreamRouter:
                                    f"{self.cluster.ids[d]} does not hold the trainers' weights (digest mismatch)")
         self.pulls.append({**r, "device": self.cluster.ids[d]})
 
-    def _hand_back(self, d: int, e: _Engine, sent: dict | None = None, ran: bool = False) -> list:
+    def _hand_back(self, d: int, e: StreamEngine, sent: dict | None = None, ran: bool = False) -> list:
         """Every request engine `d` has not delivered goes back to the front of the queue as an
         item of its step, the oldest step first in line: as the engine last held it (`sent`:
         with its prefix under partial rollout) or as it was sent; paced from the prefix made
@@ -304,7 +284,7 @@ class StreamRouter:
     def _lost(self, lost: dict[int, str], where: str) -> None:
         for d in self._leaders(lost):  # a replica with a lost rank is lost whole
             self.put_back_ids += [tuple(r.sample_id) for r in self._hand_back(d, self.engines[d])]
-            self.engines[d] = _Engine(ranks=self.engines[d].ranks)
+            self.engines[d] = StreamEngine(ranks=self.engines[d].ranks)
         raise DevicesLost(lost, where)
 
     # ------------------------------------------------------------------ recovery
@@ -345,7 +325,7 @@ class StreamRouter:
             now = time.time()
             for span in e.spans:
                 span[1] = now if span[1] is None else span[1]
-            self.engines[d] = _Engine(ranks=e.ranks, spans=e.spans)
+            self.engines[d] = StreamEngine(ranks=e.ranks, spans=e.spans)
             out.append({"t0": t0, "t1": time.time(), "requests_moved": moved})
         return out
 

@@ -12,8 +12,9 @@ Window k of `Run.run` under streaming (the one-step-off window is `Run._window`)
 
 Requests stay in flight across windows: nothing waits for a step's longest response except
 the training of that very step. The router drives each engine request by request
-(cluster/router.py): a replica whose current item is down to its last request admits the next
-item of the version it holds. Which weights generate a sample depends only on its step
+(cluster/router.py): a step is cut into shares of consecutive samples, and an engine admits
+the next share of the version it holds as its slots free (up to `rollout.vllm_max_num_seqs`
+requests) or once everything it runs is in its tail. Which weights generate a sample depends only on its step
 (version max(0, s - eta)), so a run with resizes equals a static run with the same eta, except
 under partial rollout (`rollout.partial`), where a running request goes on under newer weights
 and its tokens come from a range of versions (the sample records them; the oldest is within

@@ -8,6 +8,10 @@ is the same on the unpaced runtime and on an emulated one (which only adds each 
 time), so emulation paces the path a real run takes. A request's id and seed do not depend on
 its share, so the split never changes what is generated.
 
+The streaming pipeline's items (`stream_shares`) are the simulator's streaming shares: runs of
+consecutive batch positions, as many requests as an engine holds at most; the runtime and the
+emulator cut them alike (the emulator only paces them).
+
 Pure: no I/O, no clock.
 """
 
@@ -36,3 +40,21 @@ def replica_shares(sample_ids: Sequence[SampleId], num_replicas: int, samples_pe
     for i in order:
         shares[batch_position(sample_ids[i], samples_per_prompt) % num_replicas].append(i)
     return [s for s in shares if s]
+
+
+def stream_shares(sample_ids: Sequence[SampleId], num_replicas: int, samples_per_prompt: int,
+                  slots: int) -> list[list[int]]:
+    """The streaming pipeline's items for these requests of one step: indices into
+    `sample_ids` in batch-position order, cut into consecutive runs of
+    max(1, min(slots, ceil(len / num_replicas))) requests, the last one shorter (the
+    simulator's cut, `sim.stream`, `Emulator.stream_shares`, for a whole step). Each is at most
+    what an engine holds at once (`slots`), so an engine can always admit one whole; the router
+    admits several into one engine while its slots allow (cluster/router.py). Raises ValueError
+    for num_replicas < 1, slots < 1 or a repeated sample id."""
+    if num_replicas < 1 or slots < 1:
+        raise ValueError(f"num_replicas and slots must be >= 1, got {num_replicas} and {slots}")
+    if len(set(sample_ids)) != len(sample_ids):
+        raise ValueError("a sample id appears twice in one dispatch")
+    order = sorted(range(len(sample_ids)), key=lambda i: batch_position(sample_ids[i], samples_per_prompt))
+    share = max(1, min(int(slots), -(-len(order) // num_replicas)))
+    return [order[lo:lo + share] for lo in range(0, len(order), share)]

@@ -13,13 +13,15 @@ s <= trained + eta are released (`released_through`): their groups join the queu
 order. In the window of training step k (trained = k), the released steps are those up to
 k + eta; step k itself is complete before training k starts (GRPO groups stay whole).
 
-Dispatch rule (admission). A free engine takes the next item (a prompt group, or an emulated
-replica's share) of the oldest step that still has items queued: first in, first out. An
-engine holds one weight version at a time and may run several items: it is *admitting* when
-every item it runs is down to its last request (the tail), and then takes the next item if
-that item needs the version it holds. An item of another version waits until the engine's
-tails are done, then the engine pulls that version first (`Dispatch.pull`); under partial
-rollout (`partial`) it pulls at once and its tails go on under the newer weights. So, without
+Dispatch rule (admission). An engine takes the next item (a share of consecutive samples,
+pipeline/dispatch.stream_shares, at most the requests an engine holds) of the oldest step that
+still has items queued: first in, first out. An engine holds one weight version at a time and
+runs several items at once: while it runs some, it takes the next one if that item needs the
+version it holds and either fits in its free slots (request-level admission: `free`, the
+requests it may still hold) or finds every item it runs down to its last request (the tail,
+`admitting`: a tail never blocks it). An item of another version waits until the engine's
+items are done, then the engine pulls that version first (`Dispatch.pull`); under partial
+rollout (`partial`) it pulls once in the tail and its tails go on under the newer weights. So, without
 partial rollout, an engine never mixes versions, and which weights generate a sample depends
 only on its step. A replica that finished its share of step s starts on s+1, s+2, ... as soon
 as their versions exist instead of waiting for step s's longest response.
@@ -134,17 +136,23 @@ class StreamQueue:
     def idle(self, devices) -> bool:
         return not any(self.busy.get(d) for d in devices)
 
-    def next_for(self, device: int, *, admitting: bool = False, partial: bool = False) -> Dispatch | None:
-        """The next item for an open engine (see the dispatch rule): None when it is closed,
-        runs items not all in their tail (`admitting` False), would have to change version
-        under running tails without `partial`, or nothing is queued."""
+    def head_step(self) -> int:
+        """The step of the next item in line (-1 when nothing is queued)."""
+        return self.queue[0][0] if self.queue else -1
+
+    def next_for(self, device: int, *, admitting: bool = False, partial: bool = False,
+                 free: int = 0) -> Dispatch | None:
+        """The next item for an open engine (see the dispatch rule): None when it is closed or
+        nothing is queued, or, while it runs items, when the next item neither fits in its
+        `free` slots nor finds everything it runs in the tail (`admitting`), or would change
+        its version (allowed only in the tail under `partial`)."""
         running = self.busy.get(device)
-        if device in self.closed or device not in self.engine_version or not self.queue or (running and not admitting):
+        if device in self.closed or device not in self.engine_version or not self.queue:
             return None
         step, item = self.queue[0]
         version = rollout_version(step, self.eta)
         pull = self.engine_version[device] != version
-        if pull and running and not partial:
+        if running and not ((admitting and partial) if pull else (admitting or len(item) <= free)):
             return None
         self.queue.popleft()
         self.engine_version[device] = version
