@@ -158,9 +158,11 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         return RowChunkLayout.of_shapes([s for _, s in self._model_specs()], ranks)
 
     def _new_trainer(self, ranks: Sequence[int], init: bool) -> FSDPTrainer:
+        from dynaresize.roles.initial_weights import initial_weights  # only this rank's rows (built on meta)
+
         ranks = tuple(sorted(ranks))
         return FSDPTrainer(self.spec, ranks=ranks, rank=self.device, group=self.pool.get(ranks),
-                           device=self.torch_device, init_model=build_model(self.cfg.model) if init else None)
+                           device=self.torch_device, init_model=initial_weights(self.cfg.model) if init else None)
 
     def set_replica(self, ranks: Sequence[int], master_addr: str, master_port: int) -> dict:
         """This device is TP rank `ranks.index(device)` of the rollout replica over `ranks`

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dynaresize.reshard.layout import RowChunkLayout
+from dynaresize.roles.initial_weights import InitialWeights, fill_shards
 from dynaresize.roles.device_memory import release_device_memory
 from dynaresize.roles.train_spec import DTYPES, MOMENT_KINDS, REF_KIND, TrainerSpec, empty_model
 from dynaresize.roles.train_state import adamw_update_, mix_seed
@@ -63,9 +64,11 @@ class FSDPTrainer:
     """Trainer state of one training rank (see the module docstring)."""
 
     def __init__(self, spec: TrainerSpec, *, ranks: Sequence[int], rank: int, group: Any,
-                 device: torch.device | str = "cpu", init_model: nn.Module | None = None) -> None:
-        """`init_model`: a full model holding the initial weights (every trainer passes the same);
-        None: the state is left uninitialised, to be filled by `pieces` (a reshard or restore)."""
+                 device: torch.device | str = "cpu", init_model: nn.Module | InitialWeights | None = None) -> None:
+        """`init_model`: the initial weights, as `InitialWeights` (the module is built on meta,
+        sharded, and only this rank's rows are materialised and filled: `fill_shards`) or as
+        a full model (every trainer passes the same; sharded from it); None: the state is left
+        uninitialised, to be filled by `pieces` (a reshard or restore)."""
         self.spec = spec
         self.ranks = tuple(sorted(int(r) for r in ranks))
         if rank not in self.ranks:
@@ -76,13 +79,17 @@ class FSDPTrainer:
         self.step = 0  # optimizer steps applied
         self.lr_step = 0  # schedule position
         self.generator = torch.Generator().manual_seed(spec.seed)  # replicated; checkpointed
+        rows = init_model if isinstance(init_model, InitialWeights) else None
+        full = None if rows is not None else init_model
         ref_init = None
-        if spec.with_ref and init_model is not None:
+        if spec.with_ref and full is not None:
             import copy
 
-            ref_init = copy.deepcopy(init_model)
-        self.model = self._shard(init_model, trainable=True)
+            ref_init = copy.deepcopy(full)
+        self.model = self._shard(full, trainable=True)
         self.ref = self._shard(ref_init, trainable=False) if spec.with_ref else None
+        if rows is not None:  # only this rank's rows, read or initialised (roles/initial_weights.py)
+            fill_shards([self.model] + ([self.ref] if self.ref is not None else []), rows, self.index, len(self.ranks))
         named = list(self.model.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
