@@ -86,7 +86,8 @@ class Cluster(StagesMixin):
         self._known_sets: set[tuple] = set()
         self._prewarm_sets: list[tuple[int, ...]] = []
         self.watchdog = Watchdog(ping=lambda r: self.workers[r].alive.remote(), collective_s=cfg.timeouts.collective_s,
-                                 call_s=cfg.timeouts.actor_call_s)
+                                 call_s=cfg.timeouts.actor_call_s,  # a loss aborts the batch's survivors' comms
+                                 on_loss=lambda ranks: [self.workers[r].abort_comms.remote() for r in ranks])
 
     # ------------------------------------------------------------------ life cycle
 

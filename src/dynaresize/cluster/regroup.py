@@ -1,7 +1,9 @@
 """Re-forming the cluster on the surviving devices after a loss (driver side).
 
 Order, each step bounded by a deadline (docs/faults.md):
-1. `settle`: every survivor's issuing thread finishes what it was doing. A
+1. `settle`: every survivor first aborts its communicators from its `ctl` thread
+   (`abort_comms`: NCCL's abort frees an issuing thread blocked with the lost peer at once;
+   comm/rendezvous.py), then its issuing thread finishes what it was doing. A
    survivor inside a collective with the lost peer is freed by that group's timeout
    (`timeouts.collective_s`), so one still busy `collective_s + margin` later is wedged: it
    is returned as lost too, with the reason;
@@ -31,12 +33,14 @@ def settle(cluster: Any, survivors: list[int]) -> dict[int, str]:
     if not survivors:
         return {}
     deadline_s = cluster.watchdog.collective_s + cluster.watchdog.margin_s
-    calls = [(r, cluster.workers[r].settle.remote()) for r in survivors]
-    try:
-        cluster.wait(calls, "settle after a loss", deadline_s=deadline_s)
-    except DevicesLost as exc:
-        return {r: why for r, why in exc.lost.items() if r in survivors}
-    return {}
+    wedged: dict[int, str] = {}
+    for method, where in (("abort_comms", "abort communicators after a loss"), ("settle", "settle after a loss")):
+        calls = [(r, getattr(cluster.workers[r], method).remote()) for r in survivors if r not in wedged]
+        try:
+            cluster.wait(calls, where, deadline_s=deadline_s)
+        except DevicesLost as exc:
+            wedged.update({r: why for r, why in exc.lost.items() if r in survivors})
+    return wedged
 
 
 def kill(cluster: Any, ranks: list[int]) -> None:

@@ -328,6 +328,13 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
     def ping(self) -> int:
         return self.device
 
+    @ray.method(concurrency_group="ctl")
+    def abort_comms(self) -> bool:
+        """Abort every communicator of this device's world from the ctl thread, while the
+        issuing thread may be blocked in a collective with a lost peer (NCCL's abort is meant for
+        another thread; comm/rendezvous.py). Sent on the first loss, before the survivors settle."""
+        return rendezvous.abort_world()
+
 
 def worker_config(cfg: RunConfig) -> dict:
     """The config dict a device worker is built from: the run's, with `rollout.engine = auto`

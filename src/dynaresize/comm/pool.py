@@ -20,11 +20,21 @@ device worker names its issuing thread (`issuer`, cluster/worker.py: every colle
 device comes from one thread) and the pool refuses creation from any other; without an issuer,
 a second thread creating the same set while the first is still in `new_group` is refused.
 
+Failure semantics (NCCL's; docs/faults.md): a creation first checks every rank of the world in
+under a store key (`rendezvous.checkin`, keyed by the pool's creation count, the same on every
+rank by the invariant above), so a dead rank ends it with `GroupCreationFailed` within the
+pool's timeout, or at once when the world is aborted, instead of hanging every survivor in
+NCCL's split (which has no timeout); a creation in an aborted world is refused at once.
+
 Other invariants:
 - Bounded: `retain(keep)` destroys every group outside `keep` (the driver passes the groups of
   the current split, of the splits it pre-warms and the background group), so the number held
   does not grow with the number of moves; `stats()["num_groups_max"]` is the most held at once.
-- Every group gets the pool's explicit timeout.
+- Every group gets an explicit timeout: the pool's (`timeouts.collective_s`), or for a small
+  group (at most `SMALL_GROUP_RANKS` ranks) the shorter `SMALL_GROUP_S` when that is below it:
+  its collectives are few-peer and short, so a peer lost mid-collective frees its partners
+  sooner when no abort reaches them (the check-in before creation keeps the pool's timeout:
+  ranks arrive there as their earlier work ends).
 - Keys are `(tag, sorted ranks)`. A tag gives a second, independent group over the same
   ranks, e.g. a "background" group on which optimizer state moves in a thread while the main
   thread runs collectives on the training group (two threads must never share one group).
@@ -43,6 +53,13 @@ import torch.distributed as dist
 from dynaresize.comm import rendezvous
 
 RankSet = tuple[int, ...]
+SMALL_GROUP_RANKS = 8  # groups of at most this many ranks get the short timeout
+SMALL_GROUP_S = 120.0  # the short timeout (seconds), when below the pool's
+
+
+def group_timeout_s(num_ranks: int, timeout_s: float) -> float:
+    """The explicit timeout of a group of `num_ranks` ranks in a pool with timeout `timeout_s`."""
+    return min(timeout_s, SMALL_GROUP_S) if num_ranks <= SMALL_GROUP_RANKS else timeout_s
 
 
 def _key(ranks: Iterable[int], tag: str) -> tuple[str, RankSet]:
@@ -61,7 +78,8 @@ class CommPool:
         """`issuer`: the `threading.get_ident()` of the only thread allowed to create groups."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
-        self._timeout = timedelta(seconds=timeout_s)
+        self._timeout_s = float(timeout_s)
+        self._num_creations = 0  # creations that reached the world (same on every rank): check-in keys
         self._backend = backend  # None: the world's backend
         self._issuer = issuer
         self._groups: dict[tuple[str, RankSet], object | None] = {}
@@ -93,19 +111,27 @@ class CommPool:
             if key in self._creating:
                 raise RuntimeError(f"CommPool.create: ranks {key[1]} (tag {tag!r}) are being created by another "
                                    "thread; the driver issues group creation from one place (module docstring)")
+            if rendezvous.aborted():
+                raise rendezvous.GroupCreationFailed(f"CommPool.create: ranks {key[1]} (tag {tag!r}): the world "
+                                                     "was aborted (a peer was lost); no communicator was created")
             if not dist.is_initialized():
                 raise RuntimeError("CommPool.create: no live world; call init_world first")
             world_size = dist.get_world_size()
             if key[1][-1] >= world_size:
                 raise ValueError(f"ranks: {key[1]} outside the world of size {world_size}")
             self._creating.add(key)
+            seq = self._num_creations
+            self._num_creations += 1
         # `new_group` blocks until every rank of the world calls it: never under the lock, so a
         # thread that only reads the pool (`get`, `has`, `stats`) is never held behind a peer.
         try:
             start = time.perf_counter()
+            world = rendezvous.live_world()
+            rendezvous.checkin(f"g{world.generation if world else 0}/create{seq}", rank=dist.get_rank(),
+                               world_size=world_size, timeout_s=self._timeout_s)
             group = dist.new_group(
                 list(key[1]),
-                timeout=self._timeout,
+                timeout=timedelta(seconds=group_timeout_s(len(key[1]), self._timeout_s)),
                 backend=self._backend,
                 group_desc=f"dynaresize:{tag or 'default'}:{','.join(map(str, key[1]))}",
             )

@@ -24,6 +24,15 @@ t. So b's current transfer is t too, both sides of t are posted, and t completes
 Each transfer involves only its two ranks, so ranks outside a pair never wait on it, and
 disjoint pairs proceed in parallel (the plan interleaves pieces round-robin for that reason).
 
+Point to point, on the caller's communicator (NCCL semantics; docs/faults.md): every message
+is one batched P2P op (`dist.batch_isend_irecv`), waited for before the next. NCCL runs a
+batch on the group's own communicator (ncclGroupStart/End over it), where a lone
+`dist.send`/`recv` may make a 2-rank communicator per pair on first use (torch versions without
+eager P2P reuse): a hidden group creation on the first resize's critical path, counted nowhere.
+Batching a whole round at once would need a staging buffer per message in flight; one op per
+batch keeps the staging bound and the deadlock argument above (a wait is a blocking transfer).
+On gloo (no coalescing) the batch is a plain isend/irecv.
+
 Local storage: a rank's state of a kind is its pieces of the layout in ascending order (see
 reshard/layout.py), given either as one flat tensor (the pieces concatenated) or as one 1-D
 tensor per piece (live views into a trainer's own storage, e.g. FSDP2's local shards, so no
@@ -106,6 +115,13 @@ class _Book:
         if i < 0 or hi > phi:
             raise ValueError(f"range [{lo}, {hi}) is not inside one local piece")
         return self.tensors[i][lo - plo:hi - plo].view(torch.uint8)
+
+
+def _p2p(op, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None) -> None:
+    """One message to or from world rank `peer`, as a batched P2P op on `group`'s own
+    communicator, waited for before the staging buffer is reused (module docstring: P2P)."""
+    for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]):
+        work.wait()
 
 
 def _contiguous_pieces(transfers: Sequence[Transfer], numel: int) -> list[tuple[int, int]]:
@@ -216,12 +232,12 @@ def execute_plan(
                 piece = src_books[k].bytes(t.lo, t.hi)
                 staging[off:off + piece.numel()].copy_(piece)
                 off += piece.numel()
-            dist.send(staging[:off], dst=t.dst, group=group)
+            _p2p(dist.isend, staging[:off], t.dst, group)
             num_sent += off
             num_messages += 1
         else:
             total = t.numel * bytes_per_elem
-            dist.recv(staging[:total], src=t.src, group=group)
+            _p2p(dist.irecv, staging[:total], t.src, group)
             off = 0
             for k in names:
                 piece = dst_books[k].bytes(t.lo, t.hi)
