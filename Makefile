@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(VENV)/bin/dynaresize bench resize --out bench-out/resize
 	$(VENV)/bin/dynaresize bench rollout --out bench-out/rollout
 	$(VENV)/bin/dynaresize bench checkpoint --out bench-out/checkpoint
+	$(VENV)/bin/dynaresize bench sync --out bench-out/sync
 
 clean:
 	rm -rf $(VENV) runs bench-out .pytest_cache

@@ -40,7 +40,8 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "eval": ("step", "version", "reward_mean", "pass_at_1", "num_prompts", "samples_per_prompt"),
     "placement": ("strategy", "nodes"),
     "concurrency": ("step", "device", "t_s", "in_flight", "mean_in_flight", "peak", "window_s"),
-    "weight_sync": ("step", "device", "wire_bytes", "wire_dtype", "staging_peak_bytes", "seconds"),
+    "weight_sync": ("step", "device", "mode", "changed_fraction", "wire_bytes", "wire_dtype", "staging_peak_bytes",
+                    "seconds"),
     "summary": ("summary",),
 }
 

@@ -532,6 +532,17 @@ def _release_engine(cfg: RunConfig) -> tuple:
     return out["memory_freed"], engine.loaded, worker._parked is engine
 
 
+def _sync_mode(cfg: RunConfig) -> str:
+    """How the worker's `sync_weights` sends weights to its engines (roles/delta_sync.py
+    `resolve_mode` of the field, for the engine's dtype `_wire_dtype` resolves)."""
+    from dynaresize.cluster.worker import DeviceWorker
+    from dynaresize.roles.delta_sync import resolve_mode
+
+    worker = DeviceWorker.__new__(DeviceWorker)
+    worker.cfg, worker.torch_device = cfg, torch.device("cpu")
+    return resolve_mode(cfg.rollout.weight_sync, worker._wire_dtype())
+
+
 def _new_engine(cfg: RunConfig) -> Any:
     from dynaresize.cluster.worker import DeviceWorker
 
@@ -968,6 +979,11 @@ EVIDENCE: dict[str, tuple] = {
                       Refused("bf16", "rollout.dtype='bf16': deterministic mode needs fp32",
                               base={"deterministic": True}),
                       Refused("fp16", "rollout.dtype='fp16': must be one of auto, fp32, bf16")),
+    "rollout.weight_sync": (Probe("delta", _sync_mode), Probe("full", _sync_mode, base={"rollout": {"dtype": "bf16"}}),
+                            Runtime("tests/e2e/test_delta_sync_run.py::test_bf16_delta_sync_run_with_moves",
+                                    "delta syncs after the first send <= 10% of the full bytes, engines equal the "
+                                    "trainers' bf16 cast (digest), tokens equal the full-sync run's"),
+                            Refused("sparse", "rollout.weight_sync='sparse': must be one of auto, full, delta")),
     "rollout.max_prompt_tokens": (Probe(8, _requests),
                                   Refused(4000, "rollout.max_prompt_tokens=4000", via=_job)),
     "train.lr": (Probe(1e-2, _train_steps),),

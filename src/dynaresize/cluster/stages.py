@@ -167,4 +167,7 @@ class StagesMixin:
                                               pace_s=self.pacing.sync_s())) for d in devices], f"weight sync {version}")
         for r in out:
             self.pacing.note(r, stage=False)
+        measured = [r["changed_fraction"] for r in out if r.get("changed_fraction") is not None and "wire_dtype" in r]
+        if measured and self.pacing.emulator is not None:  # delta sync: later syncs paced at what this one measured
+            self.pacing.emulator.sync_changed("delta", sum(measured) / len(measured))
         return [{**r, "device": self.ids[d]} for d, r in zip(devices, out) if d in ranks]

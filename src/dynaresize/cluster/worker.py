@@ -53,6 +53,7 @@ from dynaresize.reshard.layout import RowChunkLayout
 from dynaresize.rl.env import env_spec
 from dynaresize.rl.models import build_model
 from dynaresize.roles.base import GenRequest, compute_dtype, engine_dtype, resolve_engine
+from dynaresize.roles.delta_sync import Image, resolve_mode, sync_member
 from dynaresize.roles.factory import rollout_engine_from_config
 from dynaresize.roles.train_fsdp import FSDPTrainer
 from dynaresize.roles.train_spec import TrainerSpec
@@ -100,6 +101,7 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         self._specs: list | None = None
         self._full: dict[str, torch.Tensor] | None = None  # full weights held for the engine to start with
         self._full_version: int | None = None
+        self.sync_image = Image()  # the last weights sent or received (rollout.weight_sync=delta; roles/delta_sync.py)
         self.moments = MomentHandoff()  # the last resize's optimizer moments (cluster/handoff.py)
         self._faults: list[tuple[str, str, int]] = []  # (kind, point, step) armed by the driver
 
@@ -263,6 +265,11 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         t0 = time.time()
         specs, wire = self._model_specs(), self._wire_dtype()
         group = self.pool.get(sync_ranks) if self.device in sync_ranks else None
+        if resolve_mode(self.cfg.rollout.weight_sync, wire) == "delta":  # only what changed (roles/delta_sync.py)
+            out = sync_member(trainer=self.trainer, engine=self.engine, image=self.sync_image, specs=specs, root=root,
+                              group=group, version=version, device=self.torch_device, dtype=wire,
+                              is_root=self.device == root)
+            return {"t0": t0, "t1": time.time(), "device": self.device, **out}
         if self.trainer is not None:
             sent = send_weights(self.trainer.full_params(), specs, root=root, group=group, dtype=wire,
                                 is_root=self.device == root, device=self.torch_device)
@@ -285,9 +292,14 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         cuda = self.torch_device.type == "cuda" if self._engine_name() == "hf" else None
         return getattr(torch, engine_dtype(self.cfg, cuda=cuda))
 
-    def param_digest(self) -> str:
-        """sha1 of the full weights (collective over the training group)."""
-        return self.trainer.digest()
+    def param_digest(self, cast: str | None = None) -> str:
+        """Digest of the full weights (collective over the training group); `cast`: of the
+        weights cast to that dtype first (what an engine of that dtype must hold)."""
+        if cast is None:
+            return self.trainer.digest()
+        from dynaresize.roles.weight_sync import weights_digest
+
+        return weights_digest((n, t.to(getattr(torch, cast))) for n, t in self.trainer.full_params())
 
     def engine_digest(self) -> str:
         """Digest of the weights the rollout engine serves (compared with the trainers')."""
@@ -305,6 +317,7 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         return full if self.trainer.index == 0 else None
 
     def load_checkpoint(self, directory: str, train_ranks: Sequence[int]) -> dict:
+        self.sync_image.reset()  # a resume resets the delta chain (roles/delta_sync.py)
         if self.engine is not None:
             self._forget_requests()
             self.engine.release()

@@ -1,4 +1,4 @@
-"""`dynaresize bench {sim,resize,rollout,checkpoint}`: benchmarks.
+"""`dynaresize bench {sim,resize,rollout,checkpoint,sync}`: benchmarks.
 
 - `bench sim`: wall time of one policy simulated on a large cluster (default 1,024 devices x
   1,000 steps of longtail-drift, hysteresis). Writes DIR/bench_sim.json when --out is given.
@@ -8,6 +8,8 @@
   same requests (`dynaresize.commands.bench_rollout`).
 - `bench checkpoint`: a streaming checkpoint's seconds and bytes against a step's time, on real
   workers (`dynaresize.commands.bench_checkpoint`).
+- `bench sync`: full against delta weight sync, bytes and seconds per sync at two learning
+  rates in bf16 (`dynaresize.commands.bench_sync`).
 """
 
 from __future__ import annotations
@@ -57,12 +59,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--out", metavar="DIR", default=None, help="output directory")
     c.set_defaults(func=main)
 
+    y = actions.add_parser("sync", help="full against delta weight sync: bytes and seconds per sync, with ratios")
+    y.add_argument("--steps", type=int, default=6, help="steps of each run (the syncs after the first are measured)")
+    y.add_argument("--hidden", type=int, default=512, help="the model's hidden size (default 512: ~11M parameters)")
+    y.add_argument("--layers", type=int, default=4, help="the model's layers")
+    y.add_argument("--out", metavar="DIR", default=None, help="output directory (DIR/bench-sync.json)")
+    y.set_defaults(func=main)
+
 
 def main(args: argparse.Namespace) -> int:
     if args.action == "sim":
         return bench_sim(args)
     if args.action == "rollout":
         return int(importlib.import_module("dynaresize.commands.bench_rollout").main(args) or 0)
+    if args.action == "sync":
+        return int(importlib.import_module("dynaresize.commands.bench_sync").main(args) or 0)
     if args.action == "checkpoint":
         return int(importlib.import_module("dynaresize.commands.bench_checkpoint").main(args) or 0)
     return int(importlib.import_module("dynaresize.commands.bench_resize").main(args) or 0)

@@ -53,6 +53,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: it admits the next share of the same weight version while the last requests "
                         "of its current one decode)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-sync", choices=("full", "delta"), default="full",
+                   help="what a step's weight sync sends: the whole weights (default) or the changed values "
+                        "(rollout.weight_sync; a joining engine still gets them whole: docs/sync.md)")
+    p.add_argument("--changed-fraction", type=float, default=None, metavar="F",
+                   help="delta sync: share of the weights a step changes (default 0.02, verl's 1-3%%; a run's "
+                        "measured one: changed_fraction in its weight_sync records)")
     p.add_argument("--filter-from", metavar="RUN_DIR", default=None,
                    help="a workload with dynamic sampling (dapo-filter): its filtered share per step from this "
                         "dynaresize run's own groups_filtered (its records.jsonl) instead of the modelled share")
@@ -131,7 +137,8 @@ def main(args: argparse.Namespace) -> int:
         if args.prompts_per_step is not None:
             raise ConfigError([f"prompts-per-step={args.prompts_per_step}: a trace's batch is its own"])
         scenario = trace_scenario(batches, args.trace, num_devices=args.devices, num_steps=args.steps,
-                                  model=args.model, seed=args.seed, accelerator=args.accelerator)
+                                  model=args.model, seed=args.seed, accelerator=args.accelerator,
+                                  weight_sync=args.weight_sync, changed_fraction=args.changed_fraction)
         if args.steps is not None and args.steps > len(batches):
             print(f"dynaresize: note: the trace has {len(batches)} steps; simulating {len(batches)}", file=sys.stderr)
     else:
@@ -144,7 +151,8 @@ def main(args: argparse.Namespace) -> int:
                                "modelled for the one-step-off pipeline only (--staleness 0 or 1)"])
         scenario = workload_scenario(args.workload, num_devices=args.devices, num_steps=args.steps or 300,
                                      model=args.model, seed=args.seed, horizon_steps=args.horizon_steps,
-                                     prompts_per_step=args.prompts_per_step, accelerator=args.accelerator)
+                                     prompts_per_step=args.prompts_per_step, accelerator=args.accelerator,
+                                     weight_sync=args.weight_sync, changed_fraction=args.changed_fraction)
         scenario, notes = _filter_source(args, scenario)
     progress = not args.quiet and sys.stderr.isatty()
     doc = simulate(scenario, policies, cfg, staleness=args.staleness, partial=args.partial,

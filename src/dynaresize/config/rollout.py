@@ -14,6 +14,7 @@ from dynaresize.errors import FieldErrors as _Errors
 
 
 ROLLOUT_ENGINES, ROLLOUT_DTYPES = ("auto", "vllm", "hf"), ("auto", "fp32", "bf16")
+WEIGHT_SYNC_MODES = ("auto", "full", "delta")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +37,7 @@ class RolloutConfig:
     dtype: str = "auto"  # engine weights and compute: auto (train.dtype; bf16 on CUDA unless deterministic) | fp32 | bf16
     partial: bool = False  # streaming: running requests go on under newer weights (partial rollout, docs/pipeline.md)
     tensor_parallel: int = 1  # devices per rollout replica (vllm: one TP rank per device worker; docs/rollout.md)
+    weight_sync: str = "auto"  # full | delta (only changed values, checked; roles/delta_sync.py) | auto: delta for a bf16 engine
     gen_prompts_per_step: int = 0  # algorithm.filter_groups: prompts per generation batch (verl gen_batch_size); 0: prompts_per_step
 
     RENAMED_FIELDS: typing.ClassVar[dict[str, str]] = {"backend": "engine"}  # old key -> new (refused)
@@ -57,6 +59,8 @@ class RolloutConfig:
                  "must be teardown or park")
         g = self.gpu_memory_utilization
         err.need(0 < g <= 1, "gpu_memory_utilization", g, "must be in (0, 1]: the share of a GPU's memory vLLM may use")
+        err.need(self.weight_sync in WEIGHT_SYNC_MODES, "weight_sync", self.weight_sync,
+                 f"must be one of {', '.join(WEIGHT_SYNC_MODES)}")
         err.need(self.dtype in ROLLOUT_DTYPES, "dtype", self.dtype, f"must be one of {', '.join(ROLLOUT_DTYPES)}")
         err.need(self.vllm_max_model_len == 0 or self.vllm_max_model_len >= 2, "vllm_max_model_len",
                  self.vllm_max_model_len, "must be 0 (prompt + response budget) or >= 2")

@@ -14,7 +14,10 @@ Stage models (used by `sim.engine`):
 - Training: 6 * N * tokens (+ causal attention) FLOPs, plus a forward-only old-log-prob pass
   (2N of 6N, i.e. +1/3; references 2.4 measures 0.25-0.5x of the update), divided over the
   training devices at `mfu_train`, plus a fixed exposed communication time per step.
-- Weight sync: alpha + bytes per receiver / BW_eff (3.2).
+- Weight sync: alpha + bytes per receiver / BW_eff (3.2). With delta sync
+  (`rollout.weight_sync = delta`, roles/delta_sync.py) a step sends, per element, the cheapest
+  of indices + values, a bitmap + values, or dense at the change fraction `f` (`delta_bytes`); a
+  joining engine gets the full weights (its move pays the difference, `OP_COSTS["load_weights"]`).
 - Resize ops: the planner's op names (control/planner.py) (shared with the runtime executor through
   `control.planner`); each has a duration and a byte count here.
 
@@ -31,6 +34,10 @@ from dynaresize.costmodel import memory
 from dynaresize.errors import ConfigError
 
 GB = 1e9
+# Share of a bf16 model's values that change in one RL step (lr 1e-6 .. 1e-5): about 1-3% in
+# verl's delta sync measurements (3.2, github.com/verl-project/verl/pull/6974); a run that
+# measures its own (`changed_fraction` of its weight_sync records) replaces it.
+DEFAULT_CHANGED_FRACTION = 0.02
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +111,8 @@ class ModelPreset:
     kv_reserve_frac: float = 0.1  # HBM kept free for activations and fragmentation (gpu_memory_utilization 0.9)
     sync_alpha_s: float = 0.5  # control plane and pause of a weight sync (3.2: 0.1-5 s)
     sync_bw: float = 20 * GB  # tuned weight-sync bandwidth per receiver (3.2: 14-23 GB/s for verl / SGLang)
+    weight_sync: str = "full"  # full | delta: what a step's sync sends (rollout.weight_sync; roles/delta_sync.py)
+    sync_changed_fraction: float = DEFAULT_CHANGED_FRACTION  # delta: share of values a step changes (3.2)
     engine_wake_s: float = 0.5  # sleep -> wake of a warm engine incl. weights resident on host (3.3: 0.26-0.82 s)
     kv_alloc_s: float = 0.3  # allocate KV blocks; CUDA graphs kept (3.3) [A]
     engine_release_s: float = 0.5  # sleep level 2 (3.3: 0.74 s [U])
@@ -212,9 +221,49 @@ def min_train_devices(model: ModelPreset, hw: Hardware = Hardware()) -> int:
     return memory.min_train_devices_for(model.num_params, hw.hbm_bytes)
 
 
-def sync_s(model: ModelPreset) -> float:
-    """Weight sync trainer -> rollout: each rollout device receives weights/tp (3.2)."""
-    return model.sync_alpha_s + model.weight_bytes / model.rollout_tp / model.sync_bw
+def delta_bytes(num_params: float, changed_fraction: float, elem_bytes: float = 2.0) -> float:
+    """Bytes of a delta sync of `num_params` values of `elem_bytes` with `changed_fraction` of
+    them changed: per element the cheapest of int32 index + value, a bitmap bit + value, or the
+    value dense, the choice roles/delta_sync.py makes per bucket (`encoded_bytes`)."""
+    f = min(max(float(changed_fraction), 0.0), 1.0)
+    e = float(elem_bytes)
+    return num_params * min(f * (4.0 + e), 0.125 + f * e, e)
+
+
+def sync_bytes(model: ModelPreset, *, full: bool = False) -> float:
+    """Bytes one rollout replica receives in a weight sync: the bf16 weights, or with delta sync
+    a step's changed values (`full`: a joining engine's, always the whole weights)."""
+    if full or model.weight_sync != "delta":
+        return model.weight_bytes
+    return delta_bytes(model.num_params, model.sync_changed_fraction)
+
+
+def sync_s(model: ModelPreset, *, full: bool = False) -> float:
+    """Weight sync trainer -> rollout: each rollout device receives its bytes / tp (3.2)."""
+    return model.sync_alpha_s + sync_bytes(model, full=full) / model.rollout_tp / model.sync_bw
+
+
+def sync_mode_of(cfg) -> str:
+    """`rollout.weight_sync` of run config `cfg` (read duck-typed) as a CPU run resolves it:
+    `auto` is delta where the engine's dtype is bf16 (`rollout.dtype`, or `train.dtype` under
+    auto), as roles/delta_sync.py `resolve_mode` does."""
+    mode, r = cfg.rollout.weight_sync, cfg.rollout.dtype
+    if mode != "auto":
+        return mode
+    return "delta" if r == "bf16" or (r == "auto" and cfg.train.dtype == "bf16") else "full"
+
+
+def with_sync(model: ModelPreset, mode: str, changed_fraction: float | None = None) -> ModelPreset:
+    """`model` syncing weights in `mode` (full | delta) at `changed_fraction` (None: the
+    preset's, `DEFAULT_CHANGED_FRACTION` unless set)."""
+    from dataclasses import replace
+
+    if mode not in ("full", "delta"):
+        raise ConfigError([f"weight_sync={mode!r}: must be full or delta"])
+    f = model.sync_changed_fraction if changed_fraction is None else float(changed_fraction)
+    if not 0.0 <= f <= 1.0:
+        raise ConfigError([f"changed_fraction={changed_fraction}: must be in [0, 1]"])
+    return replace(model, weight_sync=mode, sync_changed_fraction=f)
 
 
 def publish_s(model: ModelPreset, num_train: int, hw: Hardware = Hardware()) -> float:
@@ -263,8 +312,10 @@ OP_COSTS: dict[str, Callable[[ModelPreset, int, int, Hardware], tuple[float, flo
     "receive_param_shards": _shard_cost("master", "new"),
     "move_optimizer_shards": _shard_cost("moments", "old"),
     "receive_optimizer_shards": _shard_cost("moments", "new"),
-    # Wake a sleeping engine; full weights ride the regular post-step weight sync (3.3).
-    "load_weights": _fixed(lambda m: m.engine_wake_s),
+    # Wake a sleeping engine; full weights ride the regular post-step weight sync (3.3), which with
+    # delta sync is a full one for the joining engine: the move pays the difference.
+    "load_weights": _fixed(lambda m: m.engine_wake_s + (sync_s(m, full=True) - sync_s(m) if m.weight_sync == "delta"
+                                                          else 0.0)),
     "alloc_kv_cache": _fixed(lambda m: m.kv_alloc_s),
     "add_to_router": _fixed(lambda m: ROUTER_S),
     "stop_routing": _fixed(lambda m: ROUTER_S),

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from dynaresize.config import PolicyConfig
-from dynaresize.costmodel.costs import Hardware, ModelPreset, get_hardware, get_model, min_train_devices
+from dynaresize.costmodel.costs import Hardware, ModelPreset, get_hardware, get_model, min_train_devices, with_sync
 from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.errors import ConfigError
 from dynaresize.types import Bounds
@@ -71,10 +71,12 @@ class Scenario:
 
 def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model: str = "7b", seed: int = 0,
                       prompts_per_step: int | None = None, horizon_steps: int | None = None,
-                      accelerator: str = "h100") -> Scenario:
+                      accelerator: str = "h100", weight_sync: str = "full",
+                      changed_fraction: float | None = None) -> Scenario:
     """The named workload's job on `num_devices` (`prompts_per_step` x 16 samples; by default the
     workload's own batch where it names one, else 2 prompts per device), its time constants over
-    `horizon_steps` (None: the workload's own), on `accelerator` (a `HARDWARE_PRESETS` name)."""
+    `horizon_steps` (None: the workload's own), on `accelerator` (a `HARDWARE_PRESETS` name),
+    syncing weights in `weight_sync` mode at `changed_fraction` (`costs.with_sync`)."""
     spec = get_workload(workload)  # an unknown name is a ConfigError before anything runs
     _check(num_devices, num_steps)
     prompts = prompts_per_step or spec.prompts_per_step or PROMPTS_PER_DEVICE * num_devices
@@ -83,16 +85,19 @@ def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model:
         return batch_for_step(workload, b, prompts * SAMPLES_PER_PROMPT, seed, samples_per_prompt=SAMPLES_PER_PROMPT,
                               horizon_steps=horizon_steps)
 
-    return Scenario(name=workload, num_devices=num_devices, num_steps=num_steps, model=get_model(model), seed=seed,
+    return Scenario(name=workload, num_devices=num_devices, num_steps=num_steps,
+                    model=with_sync(get_model(model), weight_sync, changed_fraction), seed=seed,
                     prompts_per_step=prompts, batch_of=batch_of, hardware=get_hardware(accelerator))
 
 
 def trace_scenario(batches: list[Batch], name: str, *, num_devices: int, num_steps: int | None, model: str = "7b",
-                   seed: int = 0, accelerator: str = "h100") -> Scenario:
+                   seed: int = 0, accelerator: str = "h100", weight_sync: str = "full",
+                   changed_fraction: float | None = None) -> Scenario:
     steps = len(batches) if num_steps is None else min(num_steps, len(batches))
     _check(num_devices, steps)
     mean_samples = int(round(np.mean([b.num_samples for b in batches[:steps]])))
-    return Scenario(name=name, num_devices=num_devices, num_steps=steps, model=get_model(model), seed=seed,
+    return Scenario(name=name, num_devices=num_devices, num_steps=steps,
+                    model=with_sync(get_model(model), weight_sync, changed_fraction), seed=seed,
                     prompts_per_step=max(mean_samples, 1), samples_per_prompt=1, batch_of=lambda b: batches[b],
                     trace_samples=sum(b.num_samples for b in batches[:steps]), hardware=get_hardware(accelerator))
 

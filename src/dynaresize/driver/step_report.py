@@ -46,7 +46,9 @@ class StepReporting:
             if "wire_dtype" in s:  # an engine's load (roles/weight_sync.py Staging.record); the root's entry has none
                 self.rec.emit("weight_sync", step=step, device=s["device"],
                               **{k: s[k] for k in ("wire_bytes", "wire_dtype", "staging_peak_bytes", "seconds",
-                                                   "num_params", "num_buckets", "largest_bucket_bytes")})
+                                                   "num_params", "num_buckets", "largest_bucket_bytes", "mode",
+                                                   "changed_fraction", "refetched_buckets", "bucket_encodings")
+                                 if k in s})
         rollout_s = c.span(rolled.t0, rolled.t1) if rolled else 0.0
         calls = rolled.calls if rolled else []
         rollout_work = sum(c.span(t0, t1) for _, t0, t1 in calls)

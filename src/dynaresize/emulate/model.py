@@ -18,7 +18,8 @@ runtime share one cost model and can be checked against each other (`dynaresize 
   the real, few-token responses);
 - training: `StageModel.train(step, num_train)` (6N FLOPs per token plus attention and the
   old-log-prob pass, over the training devices, plus the fixed exposed time);
-- weight sync: `costmodel.costs.sync_s` (alpha + model bytes / bandwidth);
+- weight sync: `costmodel.costs.sync_s` (alpha + model bytes / bandwidth; with delta sync the
+  bytes of a step's changed values at the change fraction the run measures, `sync_changed`);
 - each resize op by name (cluster/resize_ops.py HANDLERS): `costmodel.costs.op_cost`.
 Bounds follow the simulator's rule (`Scenario.bounds`): a rollout replica is the move unit and
 the training state's memory floor is the least number of training devices.
@@ -34,7 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from dynaresize.costmodel.costs import HARDWARE_PRESETS, MODEL_PRESETS, get_hardware, get_model, op_cost
+from dynaresize.costmodel.costs import HARDWARE_PRESETS, MODEL_PRESETS, get_hardware, get_model, op_cost, sync_mode_of
+from dynaresize.costmodel.costs import sync_s as costs_sync_s
+from dynaresize.costmodel.costs import with_sync
 from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.errors import ConfigError
 from dynaresize.pipeline.dispatch import batch_position
@@ -138,9 +141,18 @@ class Emulator:
         if not cfg.cluster.emulate:
             return None
         rc = cfg.rollout
-        return cls(parse(cfg.cluster.emulate), workload=rc.length_workload, prompts_per_step=rc.prompts_per_step,
-                   samples_per_prompt=rc.samples_per_prompt, seed=cfg.seed, num_steps=cfg.steps,
-                   horizon_steps=rc.length_horizon_steps)
+        em = cls(parse(cfg.cluster.emulate), workload=rc.length_workload, prompts_per_step=rc.prompts_per_step,
+                 samples_per_prompt=rc.samples_per_prompt, seed=cfg.seed, num_steps=cfg.steps,
+                 horizon_steps=rc.length_horizon_steps)
+        em.sync_changed(sync_mode_of(cfg), None)
+        return em
+
+    def sync_changed(self, mode: str, changed_fraction: float | None) -> None:
+        """Weight syncs paced as `mode` sends them (`costs.with_sync`), at `changed_fraction`
+        (None: the model's; the runtime passes the one its delta syncs measure, cluster/stages.py);
+        with delta sync a joining engine's full sync is in its move (`op_s("load_weights")`)."""
+        self.model = with_sync(self.model, mode, changed_fraction)
+        self.stages.model, self.stages.sync_s = self.model, costs_sync_s(self.model)
 
     # ------------------------------------------------------------------ the workload
 

@@ -114,7 +114,8 @@ class Staging:
 
     def record(self, dtype: torch.dtype) -> dict:
         """The fields of a `weight_sync` record (docs/records.md) this staging measured."""
-        return {"wire_bytes": self.wire_bytes, "wire_dtype": str(dtype).replace("torch.", ""),
+        return {"mode": "full", "changed_fraction": None,
+                "wire_bytes": self.wire_bytes, "wire_dtype": str(dtype).replace("torch.", ""),
                 "staging_peak_bytes": self.peak_bytes, "num_params": self.numel, "num_buckets": self.num_buckets,
                 "largest_bucket_bytes": self.largest_bucket_bytes, "seconds": time.time() - self.t0}
 
