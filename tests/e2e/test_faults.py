@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from _runs import COLLECTIVE_S, assert_same_run, job_config, ray_local, records, reference_run  # noqa: F401
+from _runs import COLLECTIVE_S, assert_same_run, job_config, ray_local, records, reference_run, samples  # noqa: F401
 
 pytestmark = pytest.mark.dist
 
@@ -83,25 +83,33 @@ def test_stopped_sync_root_is_found_by_the_timeout_and_recovered(ray_local, tmp_
 
 
 @pytest.mark.slow
-def test_too_few_devices_left_stops_with_a_consistent_checkpoint(ray_local, tmp_path):
-    """2 devices (1 rollout, 1 train): losing one leaves no legal split, so the run stops cleanly."""
+@pytest.mark.parametrize("every", [1, 3])
+def test_too_few_devices_left_stops_with_a_consistent_checkpoint(ray_local, tmp_path, every):
+    """2 devices (1 rollout, 1 train): losing one leaves no legal split, so the run stops cleanly
+    at its last complete full snapshot (checkpoint.snapshot_every_steps = K): with K = 3 version 0,
+    and step 0, trained after it with no trainer left to replay it, counts as not consumed (its
+    samples dropped); with K = 1 version 1 when its copy was in before the kill, else version 0."""
     from dynaresize.driver.checkpointing import load_resume_point
     from dynaresize.driver.recovery import RunStopped
     from dynaresize.driver.run import run_job
 
     out = tmp_path / "run"
     cfg = job_config(cluster__devices=2, cluster__rollout_devices=1, policy__schedule="", policy__name="static",
-                     faults=["kill:1@train:1"])
+                     faults=["kill:1@train:1"], checkpoint__snapshot_every_steps=every)
     with pytest.raises(RunStopped, match="cannot recover from the loss of devices \\[1\\]"):
         run_job(cfg, out, progress=False)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] and summary["ledger_ok"], summary["ledger_problems"]
     point = load_resume_point(out)  # verified: complete and consistent
-    assert point.boundary == 1  # step 0 trained and consumed; step 1 was not
+    boundary = point.boundary
+    assert boundary in ((0, 1) if every == 1 else (0,))
+    full = [r["step"] for r in records(out, "snapshot") if r["snapshot_kind"] == "full"]
+    assert max(full) == boundary  # the latest full snapshot the run had
     dropped = [r for r in records(out, "sample") if r["dropped"]]
-    assert dropped and all(r["sample_id"].split("-")[0] in ("1", "2") for r in dropped)
-    consumed = [r for r in records(out, "sample") if r["consumed_step"] is not None]
-    assert {r["consumed_step"] for r in consumed} == {0}
+    assert dropped and all(int(r["sample_id"].split("-")[0]) in range(boundary, 3) for r in dropped)
+    assert any(r["sample_id"].startswith(f"{boundary}-") for r in dropped)
+    consumed = [r for r in samples(out).values() if r["consumed_step"] is not None]
+    assert {r["consumed_step"] for r in consumed} == set(range(boundary))
 
 
 @pytest.mark.slow

@@ -342,7 +342,7 @@ class Run(StepReporting):
         comm = [] if stopped else self.cluster.comm_stats()
         if not stopped:
             self._save_hf()
-            self.snapshots.finish()
+        self.snapshots.finish(settle=not stopped)  # a stopped run: the records of what was collected
         problems = self.ledger.check()
         k = max(1, min(2, len(self.rewards) // 2))
         consumed = sum(1 for e in self.ledger.entries.values() if e.consumed_step is not None)
@@ -383,13 +383,11 @@ class Run(StepReporting):
         return summary
 
     def _save_hf(self) -> None:
-        """The final weights as an HF folder (tied embeddings stay tied: one tensor, saved once)."""
-        from dynaresize.rl.models import build_model, complete_state_dict, save_hf
+        """The final weights as an HF folder (tied embeddings stay tied: one tensor, saved once),
+        gathered and written on the first trainer (driver/checkpointing.py `export_hf`)."""
+        from dynaresize.driver.checkpointing import export_hf
 
-        state = self.cluster.full_weights()
-        model = build_model(self.cfg.model)
-        model.load_state_dict(complete_state_dict(state, model), strict=True)
-        save_hf(model, self.job.tokenizer, self.out / "checkpoint")
+        export_hf(self, self.out / "checkpoint")
 
 
 def run_job(cfg: RunConfig, out_dir: str | Path, *, progress: bool = True, resume: ResumePoint | None = None) -> dict:

@@ -216,8 +216,10 @@ class Snapshots:
             self.complete(v)
         self._emit(final=False)
 
-    def finish(self) -> None:
-        self.settle()
+    def finish(self, *, settle: bool = True) -> None:
+        """The run ends: every snapshot's record out (`settle`: the pending ones completed first)."""
+        if settle:
+            self.settle()
         self._emit(final=True)
 
     def engines_at(self, version: int) -> None:
