@@ -88,6 +88,10 @@ def test_resume_on_three_devices_equals_the_uninterrupted_run(first4, tmp_path):
     _check_resumed(out, before, devices=3)
     assert_same_run(out, reference_run())
     _assert_workload_lengths(out)
+    # every checkpoint's trainer shards were written by the trainers, not through the driver
+    # (cluster/checkpoint_io.py), and the HF export by the first trainer
+    assert [c["written_by"] for c in records(out, "checkpoint")] == ["trainers", "trainers"]
+    assert (out / "checkpoint" / "model.safetensors").is_file() and (out / "checkpoint" / "config.json").is_file()
 
 
 def test_corrupt_or_partial_checkpoint_is_refused_in_one_line(first4, tmp_path, capsys):

@@ -372,10 +372,9 @@ class Cluster(StagesMixin):
         return self.on_trainers("full_weights", where="export")
 
     def save_checkpoint(self, directory: str, extra: dict | None = None) -> None:
-        """A trainer checkpoint of the current state (from a fresh snapshot)."""
-        from dynaresize.cluster import snapshot
+        """A trainer checkpoint of the current state (each trainer writes its shard: cluster/checkpoint_io.py)."""
+        from dynaresize.cluster.checkpoint_io import write_trainer_checkpoint
 
         scalars = self.wait([(self.assignment.devices(TRAIN)[0], self.workers[self.assignment.devices(TRAIN)[0]]
                               .trainer_scalars.remote())], "checkpoint")[0]
-        snap = snapshot.take(self, scalars["step"], self.assignment.devices(TRAIN))
-        snapshot.write_checkpoint(snap, directory, extra=extra)
+        write_trainer_checkpoint(self, directory, version=scalars["step"], extra=extra)  # each trainer its shard

@@ -38,6 +38,7 @@ import ray
 import torch
 
 from dynaresize.cluster.faults import fire
+from dynaresize.cluster.worker_checkpoint import CheckpointMixin
 from dynaresize.cluster.handoff import MomentHandoff
 from dynaresize.cluster.pacing import PacedMixin
 from dynaresize.cluster.worker_recovery import RecoveryMixin
@@ -67,7 +68,7 @@ def local_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, ServeMixin):
+class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, ServeMixin, CheckpointMixin):
     """The actor body (wrapped by `ray.remote` in `remote_worker_class`)."""
 
     def __init__(self, device: int, config: dict) -> None:

@@ -116,8 +116,6 @@ class Checkpointer:
             self.save(boundary, "periodic")
 
     def save(self, boundary: int, kind: str, *, finish_pending: bool = True) -> Path:
-        from dynaresize.cluster.snapshot import write_checkpoint
-
         run = self.run
         if finish_pending:
             run._finish_pending()  # its resize record belongs to the state being saved
@@ -126,11 +124,10 @@ class Checkpointer:
         name = f"step-{boundary:06d}-{uuid.uuid4().hex[:8]}"
         out = self.root / name
         out.mkdir(parents=True)
-        write_checkpoint(run.snapshots[boundary], out / "trainer")
-        write_checkpoint(run.snapshots[rv], out / "rollout", params_only=True)
+        written = write_state(run, boundary, out / "trainer", live=kind != "stop")
         extra = stream_versions(boundary, run.cfg.train.staleness)
-        for v in extra:
-            write_checkpoint(run.snapshots[v], out / f"rollout-v{v}", params_only=True)
+        for v, sub in [(rv, "rollout"), *((v, f"rollout-v{v}") for v in extra)]:
+            write_weights(run, v, out / sub, driver=kind == "stop")
         offset = run.rec.path.stat().st_size  # the recorder flushes every line
         state = {
             "format": FORMAT, "boundary": boundary, "rollout_version": rv, "ledger": run.ledger.state_before(boundary),
@@ -156,10 +153,52 @@ class Checkpointer:
             if old.is_dir() and old.name.startswith("step-") and old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
         run.rec.emit("checkpoint", step=boundary, path=str(out), cause=kind, seconds=time.time() - t0,
+                     written_by=written,
                      records_offset=offset, rollout_version=rv, weight_versions=1 + len(extra),
                      stream_samples=sum(len(v) for v in state["stream_samples"].values()),
                      bytes=sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
         return out
+
+
+def write_state(run: Any, boundary: int, directory: Path, *, live: bool) -> str:
+    """The trainer state of `boundary` into `directory`; who wrote its shards. `live` (a
+    periodic or final save: the trainers hold exactly that state): each trainer writes its own
+    shard (cluster/checkpoint_io.py). A stop after a loss: from the snapshot of `boundary`,
+    whose trainers may be gone, written by the driver."""
+    from dynaresize.cluster import checkpoint_io, snapshot
+
+    cluster = run.cluster
+    if live:
+        trainer = cluster.assignment.devices("train")[0]
+        step = cluster.wait([(trainer, cluster.workers[trainer].trainer_scalars.remote())], "checkpoint")[0]["step"]
+        if step == boundary:
+            return checkpoint_io.write_trainer_checkpoint(cluster, directory, version=boundary)["written_by"]
+        return checkpoint_io.write_snapshot_checkpoint(cluster, run.snapshots[boundary], directory)["written_by"]
+    snapshot.write_checkpoint(run.snapshots[boundary], directory)
+    return "driver"
+
+
+def write_weights(run: Any, version: int, directory: Path, *, driver: bool) -> None:
+    """Parameters of `version` (a rollout version the checkpoint needs) from its snapshot into
+    `directory`: shards written by live workers, or by the driver on a stop after a loss."""
+    from dynaresize.cluster import checkpoint_io, snapshot
+
+    if driver:
+        snapshot.write_checkpoint(run.snapshots[version], directory, params_only=True)
+    else:
+        checkpoint_io.write_snapshot_checkpoint(run.cluster, run.snapshots[version], directory, params_only=True)
+
+
+def export_hf(run: Any, directory: Path) -> str:
+    """The final weights as an HF folder in `directory`, gathered and written on the first
+    trainer (cluster/checkpoint_io.py); the tokenizer files by the driver (small). Who wrote
+    the weights."""
+    from dynaresize.cluster import checkpoint_io
+
+    by = checkpoint_io.export_hf(run.cluster, directory)
+    if run.job.tokenizer is not None:
+        run.job.tokenizer.save_pretrained(directory)
+    return by
 
 
 @dataclass
