@@ -757,7 +757,12 @@ def _reshard(cfg: RunConfig) -> tuple:
     from dynaresize.reshard.layout import FlatLayout
 
     sent: list = []
-    fake_dist = SimpleNamespace(send=lambda t, dst, group=None: sent.append(t.numel()), recv=None)
+    def batch_isend_irecv(ops: list) -> list:  # reshard messages are batched P2P ops (execute._p2p)
+        sent.extend(t.numel() for op, t in ops if op == "isend")
+        return []
+
+    fake_dist = SimpleNamespace(isend="isend", irecv="irecv", P2POp=lambda op, t, peer, group=None: (op, t),
+                                batch_isend_irecv=batch_isend_irecv)
     state = {k: torch.arange(4096, dtype=torch.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
     with mock.patch.object(execute, "dist", fake_dist):
         _, stats = execute.reshard(state, old_layout=FlatLayout(4096, (0,)), new_layout=FlatLayout(4096, (0, 1)),
