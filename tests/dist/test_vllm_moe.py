@@ -1,8 +1,9 @@
-"""A tiny Qwen3-MoE folder in a real vLLM engine (CPU build, in a process of its own): the
+"""A tiny Qwen3-MoE folder and a tiny Mixtral one in a real vLLM engine (CPU build, in a process of its own): the
 engine names its stacked experts and router gates as the trainer does, the weights read back
 from it (digest) are the trainer's, its log-probs equal the HF model's recompute, and after an
 in-place reload of new weights both hold again (vLLM's CPU reload leaves the experts unpacked:
-roles/vllm_moe.py prepacks them again)."""
+roles/vllm_moe.py prepacks them again). Mixtral's MoE layer has other names in vLLM
+(`block_sparse_moe`, w1/w3/w2): the engine takes and reports the trainer's names all the same."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.dist, pytest.mark.vllm, pytest.mark.slow]  # ~40 s: vLLM's import and start
+pytestmark = [pytest.mark.dist, pytest.mark.vllm, pytest.mark.slow]  # ~50 s each: vLLM's import and start
 
 SCRIPT = r"""
 import json, os, sys
@@ -61,11 +62,12 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_qwen3_moe_engine_holds_and_computes_with_the_trainer_weights(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_engine_holds_and_computes_with_the_trainer_weights(family, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from _moe_model import write_moe_model
 
-    folder = write_moe_model(tmp_path / "qwen3moe")
+    folder = write_moe_model(tmp_path / family, family)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(folder)], capture_output=True, text=True, env=env,
                           timeout=600)

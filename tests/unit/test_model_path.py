@@ -152,3 +152,20 @@ def test_build_config_refuses_a_bad_path_in_one_line_without_torch(tmp_path):
     assert out.stdout.splitlines() == [str([f"model.path={str(tmp_path)!r}: the folder is empty (an HF causal-LM "
                                             "folder holds config.json, weights and tokenizer files)"]),
                                        "False False"]
+
+
+def test_moe_router_load_balancing_loss_is_refused_not_dropped(saved, tmp_path):
+    """An MoE config.json asking for the router's auxiliary loss (output_router_logits with a
+    positive router_aux_loss_coef) is one config error naming both; with the loss off it passes."""
+    folder = _copy(saved, tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "output_router_logits": True, "router_aux_loss_coef": 0.001}))
+    problem = model_path_problem(str(folder))
+    assert problem and "output_router_logits=true" in problem and "router_aux_loss_coef=0.001" in problem
+    with pytest.raises(ConfigError) as err:
+        build_config({"model": {"path": str(folder)}})
+    assert len(err.value.errors) == 1 and err.value.errors[0].startswith(f"model.path={str(folder)!r}")
+    (folder / "config.json").write_text(json.dumps({**cfg, "output_router_logits": False, "router_aux_loss_coef": 0.001}))
+    assert model_path_problem(str(folder)) is None
+    (folder / "config.json").write_text(json.dumps({**cfg, "output_router_logits": True, "router_aux_loss_coef": 0.0}))
+    assert model_path_problem(str(folder)) is None

@@ -145,6 +145,10 @@ def main(args: argparse.Namespace) -> int:
     from dynaresize.rl.models import check_model
 
     check_model(cfg.model)  # transformers reads the folder's config (exit 2, nothing written)
+    if cfg.model.path is not None:
+        from dynaresize.roles.engine_map import check_engine_map
+
+        check_engine_map(cfg)  # vLLM: a module type its weight path cannot map (exit 2, nothing written)
     from dynaresize.commands.memory_plan import check_at_start
 
     cfg = check_at_start(cfg)  # CUDA: a starting split that does not fit is exit 2; bounds keep splits that fit

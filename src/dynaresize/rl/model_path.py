@@ -2,7 +2,8 @@
 
 `model_path_problem(path)` returns None for a folder `transformers` can load a causal LM and its
 tokenizer from, else one sentence saying what is wrong: no such folder, a file, an empty
-folder, no `config.json` (or one without a `model_type`), no weights, no tokenizer, a weight
+folder, no `config.json` (or one without a `model_type`, or an MoE one asking for the router's
+load-balancing loss, which the policy loss does not add), no weights, no tokenizer, a weight
 index naming shards that are missing, or a hub id (`Qwen/Qwen2.5-0.5B`) while the hub is off
 (`HF_HUB_OFFLINE=1`) and it is not in the local HF cache. `config_load.build_config` adds it as
 a `model.path` config error, so a bad folder is exit 2 before a run directory is written.
@@ -90,6 +91,20 @@ def _config_problem(file: Path) -> str | None:
         return f"config.json is unreadable ({type(exc).__name__}: {_first_line(exc)})"
     if not isinstance(data, dict) or not data.get("model_type"):
         return "config.json names no model_type (transformers reads the architecture from it)"
+    text = data.get("text_config")
+    return router_loss_problem(text if isinstance(text, dict) else data)
+
+
+def router_loss_problem(config: dict) -> str | None:
+    """An MoE config asking for the router's load-balancing loss, which the policy loss does not
+    add (transformers adds it only where it computes the LM loss from labels): refused rather
+    than silently dropped. `output_router_logits` false (the default, and what Qwen3-MoE and
+    Mixtral checkpoints ship) trains the router through the policy gradient alone."""
+    coef = config.get("router_aux_loss_coef")
+    if config.get("output_router_logits") is True and isinstance(coef, (int, float)) and coef > 0:
+        return (f"config.json sets output_router_logits=true with router_aux_loss_coef={coef}: dynaresize's policy "
+                "loss does not add the MoE router's load-balancing loss, so it would be dropped; set "
+                "output_router_logits to false in config.json to train without it")
     return None
 
 

@@ -1,19 +1,17 @@
 """The vLLM rollout engine: an in-process `vllm.LLM` behind the `RolloutEngine` interface.
 
 Lifecycle (docs/rollout.md has the measured costs):
-- `start(state_dict, version)` creates the engine in this process (`load_format="dummy"`:
-  nothing is read from or written to disk but the model's config and tokenizer, which come
-  from `ModelConfig.path` or, for the built-in tiny model, a temporary directory kept until
-  `release`), allocates its KV cache (`kv_cache_bytes`; vLLM cannot allocate it separately),
-  then loads `state_dict` in place and runs a two-token warm-up request.
+- `start(state_dict, version)` creates the engine in this process (`load_format="dummy"`: only
+  the config and tokenizer are read, from `ModelConfig.path` or a temporary directory kept until
+  `release` for the built-in model) with its KV cache (`kv_cache_bytes`), checks its weights'
+  names against the state dict's (roles/engine_map.py), loads it in place, warms up (2 tokens).
 - `load_weights(state_dict, version)` updates the running engine in place: the worker's
   `model_runner.reload_weights(weights_iterator=...)` through `collective_rpc`, in chunks of
   whole decoder layers (a fused group, q/k/v, gate/up or weight+bias, is never split across
   calls: vLLM would process a half-loaded layer), then the tied lm_head is re-dispatched (on
   CPU its GEMM handle is built from the embedding at load time) and the prefix cache reset.
   A weight sync's stream of buckets (roles/weight_sync.py) goes in one call, as it arrives.
-- `release()` tears the engine down and frees its memory (on CPU `sleep` frees nothing);
-  `park()`/`unpark()` use vLLM's sleep mode where it frees memory (CUDA), else do nothing.
+- `release()` tears the engine down, frees its memory; `park()`/`unpark()`: vLLM's sleep mode (CUDA), else nothing.
 
 Sampling: every request is its own vLLM request with `SamplingParams(seed=GenRequest.seed)`,
 so its tokens depend on (weights, prompt, seed, forced_length), not on its batch (checked in
@@ -29,9 +27,9 @@ workers (roles/vllm_tp.py); every call is made on all k ranks in the same order 
 `set_weights`/`load_weights`, `generate`, `step`, `weights_digest` are collectives). Each rank
 is sent the whole state dict, vLLM keeps its slice: a load moves k x one copy's bytes.
 
-One engine per process. Helpers: process state vLLM changes (`vllm_process`), its world kept
-apart from the worker's (`vllm_world`), weight chunks and digests (`vllm_weights`), KV budget
-(`vllm_memory`), tensor parallelism (`vllm_tp`).
+One engine per process. Helpers: process state vLLM changes (`vllm_process`), its world kept apart
+(`vllm_world`), weight chunks and digests (`vllm_weights`, MoE experts: `vllm_moe`), KV budget
+(`vllm_memory`), tensor parallelism (`vllm_tp`), the start's check of weight names (`engine_map`).
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ from dynaresize.errors import UserError
 from dynaresize.rl.models import build_tokenizer, hf_config, max_positions
 from dynaresize.roles.base import GenRequest, GenResult, TPPlacement, run_to_completion, target_len, vllm_model_problem
 from dynaresize.roles.device_memory import bytes_freed_by, check_wake
+from dynaresize.roles.engine_map import check_start
 from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request
@@ -173,6 +172,7 @@ class VLLMRolloutEngine:
             hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
             self._tied = bool(getattr(hf, "tie_word_embeddings", False))
             self._eos_ids = self._find_eos_ids()
+            self._shapes = check_start(self._llm, self._shapes, state_dict, self._tied, self.model_cfg.path)  # engine_map.py
             self._load(state_dict)
             self.version = int(version)
             t2 = time.perf_counter()

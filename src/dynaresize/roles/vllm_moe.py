@@ -12,8 +12,8 @@ w1/w3/w2: Mixtral style), exactly as vLLM's mapping builds them.
 Reading back (`expert_weights`): on CPU vLLM prepacks both tensors into its grouped-GEMM layout
 (same shape, elements moved) and may zero-pad the intermediate size. The layout is recovered
 exactly by prepacking element indices (a few probes in the weights' dtype, each one digit of
-the index small enough to be exact) and checking the result is a permutation; the padding is cut off. CUDA's Triton backends
-keep the tensors as loaded. Any other backend (FlashInfer, AITER, ...) reorders them in a way
+the index small enough to be exact) and checking the result is a permutation; the padding is
+cut off. CUDA's Triton backends keep the tensors as loaded. Any other backend (FlashInfer, AITER, ...) reorders them in a way
 this module does not invert: reading them back raises, naming the backend; their shapes (what
 name checks need) are still given.
 
@@ -21,11 +21,19 @@ Reloading in place (`repack_after_reload`): vLLM's CPU build prepacks the expert
 engine is built, but its in-place reload (`reload_weights`) re-runs the MoE method's weight
 processing without the experts' prepack step (its `moe_kernel` exists by then), leaving the
 loaded tensors in plain layout while the kernel reads them as packed: the engine would
-compute with scrambled experts (measured on vLLM 0.32 CPU: raw tensors after a reload). So
+compute with scrambled experts (measured on vLLM 0.32 CPU, tiny Qwen3-MoE: log-probs off the
+HF model's by up to 0.37 after a reload; 9.5e-7 with the experts prepacked again). So
 after every reload the layers it touched are prepacked in place, once it is seen on the
 first load that vLLM left them plain (a vLLM that prepacks them itself is left alone).
 A zero-padded intermediate size (CPU pads sizes its kernel cannot tile) is not handled there:
 it raises, naming the layer.
+
+Names that differ (`aliases`, set on the engine's model once at start by `_rpc_set_aliases`):
+vLLM's Mixtral keeps its MoE layer as `block_sparse_moe` with checkpoint names w1/w3/w2, where
+transformers 5 says `mlp` and `gate_up_proj`/`down_proj`. A trainer name that the engine lacks
+is given the engine's name by `ALIASES` where that name exists with the same shape; the
+worker-side functions (roles/vllm_weights.py) load under the engine's names and name what they
+read back with the trainer's.
 
 Tensor and expert parallelism split the experts' tensors; they are not mapped here
 (`expert_weights` raises under either). Imports torch; vLLM only inside the functions.
@@ -163,7 +171,8 @@ def repack_after_reload(model: torch.nn.Module, touched: set[str], probe: dict[s
         if not _repack and (given := probe.get(names[0])) is not None:
             if torch.equal(mod.w13_weight.detach(), given.to(mod.w13_weight.dtype)):
                 _repack.append(True)
-            elif torch.equal(mod.w13_weight.detach(), ops.cpu_prepack_moe_weight(given.to(mod.w13_weight.dtype).contiguous(), isa)):
+            elif torch.equal(mod.w13_weight.detach(),
+                             ops.cpu_prepack_moe_weight(given.to(mod.w13_weight.dtype).contiguous(), isa)):
                 _repack.append(False)
             else:
                 raise RuntimeError(f"{mod.layer_name}: after a reload vLLM's CPU experts hold neither the given "
@@ -176,3 +185,34 @@ def repack_after_reload(model: torch.nn.Module, touched: set[str], probe: dict[s
                     p.data.copy_(ops.cpu_prepack_moe_weight(p.data.contiguous(), isa))
                     done += 1
     return done
+
+
+# (trainer substring, engine substring): transformers 5 names -> vLLM's, tried on a trainer name
+# the engine lacks; kept only where the result is an engine weight of the same shape.
+ALIASES = ((".mlp.experts.gate_up_proj", ".block_sparse_moe.experts.w13"),
+           (".mlp.experts.down_proj", ".block_sparse_moe.experts.w2"),
+           (".mlp.gate.weight", ".block_sparse_moe.gate.weight"))
+_ALIAS_ATTR = "_dynaresize_aliases"  # on the engine's model: {trainer name: engine name}
+
+
+def aliases(engine: dict[str, tuple[int, ...]], trainer: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """{trainer name: engine name} for the trainer's weights the engine holds under another name."""
+    out: dict[str, str] = {}
+    for name, shape in trainer.items():
+        if name in engine:
+            continue
+        for ours, theirs in ALIASES:
+            other = name.replace(ours, theirs)
+            if other != name and other in engine and other not in trainer and tuple(engine[other]) == tuple(shape):
+                out[name] = other
+                break
+    return out
+
+
+def _rpc_set_aliases(worker: Any, alias: dict[str, str]) -> None:
+    setattr(worker.model_runner.get_model(), _ALIAS_ATTR, dict(alias))
+
+
+def to_engine(model: torch.nn.Module) -> dict[str, str]:
+    """{trainer name: engine name} set on this engine's model ({} when the names are the same)."""
+    return getattr(model, _ALIAS_ATTR, None) or {}

@@ -89,14 +89,17 @@ def weight_chunks(state_dict: Mapping[str, torch.Tensor], max_bytes: int | None)
 def _rpc_reload(worker: Any, items: Iterable[tuple[str, torch.Tensor]]) -> None:
     """`items` may be a stream (`checked_stream`): the engine runs in this process
     (roles/vllm_process.py), so the iterator is consumed here, not pickled."""
-    from dynaresize.roles.vllm_moe import repack_after_reload, repack_known
+    from dynaresize.roles.vllm_moe import repack_after_reload, repack_known, to_engine
 
     undecided = not repack_known()
     touched: set[str] = set()
     probe: dict[str, torch.Tensor] = {}
 
+    alias = to_engine(worker.model_runner.get_model())  # trainer -> engine names (roles/vllm_moe.py)
+
     def noted(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in pairs:
+            name = alias.get(name, name)
             touched.add(name)
             if undecided and getattr(tensor, "dim", lambda: 0)() == 3:  # stacked experts, until vLLM's way is seen
                 probe[name] = tensor
@@ -166,6 +169,18 @@ def _rpc_kv_cache_bytes(worker: Any) -> int:
 
 
 def _engine_tensors(model: torch.nn.Module, *, materialize: bool, only: Sequence[str] | None = None,
+                    differ: list[str] | None = None):
+    """`_engine_weights` named as the trainer names them where the engine's names differ."""
+    from dynaresize.roles.vllm_moe import to_engine
+
+    alias = to_engine(model)
+    back = {v: k for k, v in alias.items()}
+    wanted = None if only is None else [alias.get(n, n) for n in only]
+    for name, tensor in _engine_weights(model, materialize=materialize, only=wanted, differ=differ):
+        yield back.get(name, name), tensor
+
+
+def _engine_weights(model: torch.nn.Module, *, materialize: bool, only: Sequence[str] | None = None,
                     differ: list[str] | None = None):
     """(checkpoint name, tensor) for every weight the engine computes with, named as the
     trainer's (HF) state dict names them: fused q/k/v and gate/up split back, vocabulary
