@@ -351,3 +351,28 @@ def test_moved_requests_are_paced_as_the_simulator_times_a_migration():
     share = list(range(12))
     later, _, _ = emu.moved_share(2, moved, share=share, elapsed_s=0.5 * emu.stages.chunk(2, 0, 12).time_s)
     assert 0 < later < time_s  # the prefix is not decoded again
+
+
+@pytest.mark.parametrize("target, num_rollout", [("h100:7b", 3), ("h200:32b", 4), ("h200:32b", 5)])
+def test_streaming_items_are_the_simulators_shares_split_over_a_replicas_devices(target, num_rollout):
+    """The router's streaming items when emulating (`DriverPacing.rollout_chunks(stream=True)`):
+    the simulator's shares over num_rollout // tp replicas, each split over the replica's tp
+    devices with the share's paced time (`Emulator.stream_plan`); an engine's admission limit
+    is its part of the replica's slots."""
+    pytest.importorskip("ray")
+    from dynaresize.cluster.pacing import DriverPacing
+    from dynaresize.roles.base import GenRequest
+
+    cfg = build_config(merge(preset("cpu"), {"cluster": {"devices": 16, "rollout_devices": 4, "emulate": target},
+                                             "rollout": {"prompts_per_step": 6, "samples_per_prompt": 4}}))
+    pacing = DriverPacing(cfg)
+    emu, tp = pacing.emulator, pacing.emulator.model.rollout_tp
+    groups = [[GenRequest(sample_id=(2, p, s), prompt_ids=[1], max_new_tokens=4, seed=0) for s in range(4)]
+              for p in range(6)]
+    items = pacing.rollout_chunks(2, groups, num_rollout, stream=True)
+    plan = emu.stream_plan(2, num_rollout)
+    assert [[emu.sample_index(r.sample_id) for r in it] for it in items] == [list(p) for p, *_ in plan]
+    assert [it.pace_s for it in items] == pytest.approx([t for _, t, _, _ in plan])
+    for it, (positions, _, body_s, longest) in zip(items, plan):
+        assert it.body_s == pytest.approx(body_s if longest in positions else it.pace_s)
+    assert pacing.engine_slots(2) == max(1, emu.stages.slots(2) // tp)

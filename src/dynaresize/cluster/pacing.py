@@ -136,28 +136,31 @@ class DriverPacing:
         return chunks
 
     def _stream_chunks(self, step: int, groups: list[list[Any]], num_devices: int) -> list[list[Any]]:
-        """The streaming items: `pipeline.dispatch.stream_shares` of the requests given, cut at
-        the engine's slots (`engine_slots`), the same on the unpaced and the emulated runtime;
-        emulated, each is paced as the simulator times that share on one replica from its first
-        token (`Emulator.moved_share`, which for a whole step's share is `StageModel.chunk`)."""
+        """The streaming items: `pipeline.dispatch.stream_shares` of the requests given over the
+        replicas, cut at a replica's slots, the same on the unpaced and the emulated runtime.
+        Emulated, each is paced as the simulator times that share on one replica from its first
+        token (`Emulator.moved_share`; for a whole step's share `StageModel.chunk`), and a share
+        of an emulated TP replica (`tp` TP1 devices standing in for it) is split over its
+        devices, every part paced to the share's time, as `Emulator.stream_plan` splits it."""
         flat = [r for g in groups for r in g]
+        tp = 1 if self.emulator is None else self.emulator.model.rollout_tp
+        slots = self.max_num_seqs if self.emulator is None else int(self.emulator.stages.slots(step))
         shares = [[flat[i] for i in share] for share in
-                  stream_shares([r.sample_id for r in flat], num_devices, self.samples_per_prompt,
-                                self.engine_slots(step))]
+                  stream_shares([r.sample_id for r in flat], max(1, num_devices // tp), self.samples_per_prompt, slots)]
         if self.emulator is None:
             return shares
         index = self.emulator.sample_index
-        return [self._paced(mine, *self.emulator.moved_share(step, [index(r.sample_id) for r in mine]))
-                for mine in shares]
+        return [self._paced(mine[part::tp], *self.emulator.moved_share(step, [index(r.sample_id) for r in mine]))
+                for mine in shares for part in range(tp) if mine[part::tp]]
 
     def engine_slots(self, step: int) -> int:
         """Requests one rollout engine holds at once, the streaming router's admission limit:
         `rollout.vllm_max_num_seqs` (an engine's scheduler admits beyond its KV as blocks free),
         emulated the emulated replica's (`StageModel.slots`: max_num_seqs and KV for the step's
-        lengths)."""
+        lengths) over its `tp` devices."""
         if self.emulator is None or step < 0:
             return self.max_num_seqs
-        return int(self.emulator.stages.slots(step))
+        return max(1, int(self.emulator.stages.slots(step)) // self.emulator.model.rollout_tp)
 
     def _paced(self, mine: list[Any], pace_s: float, body_s: float | None = None,
                longest: int | None = None) -> PacedRequests:
