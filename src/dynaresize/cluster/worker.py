@@ -346,8 +346,17 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
     def abort_comms(self) -> bool:
         """Abort every communicator of this device's world from the ctl thread, while the
         issuing thread may be blocked in a collective with a lost peer (NCCL's abort is meant for
-        another thread; comm/rendezvous.py). Sent on the first loss, before the survivors settle."""
-        return rendezvous.abort_world()
+        another thread; comm/rendezvous.py). Sent on the first loss, before the survivors settle.
+        Skipped (False) while the issuing thread has an in-process vLLM engine's world swapped in
+        (roles/vllm_world.py): the abort would hit vLLM's groups; `reset_world` aborts ours then."""
+        from dynaresize.roles.vllm_world import DIST_SWAP_LOCK
+
+        if not DIST_SWAP_LOCK.acquire(blocking=False):
+            return False
+        try:
+            return rendezvous.abort_world()
+        finally:
+            DIST_SWAP_LOCK.release()
 
 
 def worker_config(cfg: RunConfig) -> dict:
