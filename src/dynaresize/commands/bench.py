@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c = actions.add_parser("checkpoint", help="a streaming checkpoint's seconds and bytes, as a ratio to a step's time")
     c.add_argument("--params", type=float, default=4e7, help="model parameters (default ~40M)")
     c.add_argument("--steps", type=int, default=4, help="steps of the streaming run (a checkpoint after each)")
+    c.add_argument("--snapshot-steps", type=int, default=10, help="steps of the run measuring in-memory snapshots")
+    c.add_argument("--snapshot-every", type=int, default=0,
+                   help="its checkpoint.snapshot_every_steps (default 0: Young/Daly's K)")
     c.add_argument("--out", metavar="DIR", default=None, help="output directory")
     c.set_defaults(func=main)
 
