@@ -74,7 +74,7 @@ def _worker_class():
             t.join(30)
             return out[0]
 
-    return ray.remote(concurrency_groups={"ctl": 1})(SwapProbeWorker)
+    return ray.remote(concurrency_groups={"ctl": 1, "snap": 1})(SwapProbeWorker)  # as remote_worker_class
 
 
 @pytest.fixture(scope="module")
