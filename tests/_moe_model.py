@@ -1,8 +1,8 @@
 """Tiny mixture-of-experts HF folders built in code (no hub): random weights saved with
 `save_pretrained` and the folder's own byte-level BPE tokenizer (with a chat template).
 
-`write_moe_model(dir, family)`: `qwen3_moe` (Qwen3-MoE: 4 experts, top-2, q/k norms) or
-`mixtral` (Mixtral: 4 experts, top-2). `write_unmappable_model(dir)`: a GPT-2 folder, whose
+`write_moe_model(dir, family)`: `qwen3_moe` (Qwen3-MoE: 4 experts, top-2, q/k norms),
+`qwen2_moe` (Qwen2-MoE: the same plus a gated shared expert) or `mixtral` (4 experts, top-2). `write_unmappable_model(dir)`: a GPT-2 folder, whose
 Conv1D layers (transposed weights) the vLLM engine's weight path cannot map."""
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ def write_moe_model(directory: Path, family: str = "qwen3_moe", **over) -> Path:
         cfg = Qwen3MoeConfig(**common, head_dim=32, intermediate_size=128, moe_intermediate_size=32,
                              num_experts=4, num_experts_per_tok=2, **over)
         cls = Qwen3MoeForCausalLM
+    elif family == "qwen2_moe":  # a shared expert beside the routed ones, with its own sigmoid gate
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        cfg = Qwen2MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                             num_experts=4, num_experts_per_tok=2, **over)
+        cls = Qwen2MoeForCausalLM
     elif family == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 

@@ -1,9 +1,10 @@
-"""A tiny Qwen3-MoE folder and a tiny Mixtral one in a real vLLM engine (CPU build, in a process of its own): the
-engine names its stacked experts and router gates as the trainer does, the weights read back
-from it (digest) are the trainer's, its log-probs equal the HF model's recompute, and after an
-in-place reload of new weights both hold again (vLLM's CPU reload leaves the experts unpacked:
-roles/vllm_moe.py prepacks them again). Mixtral's MoE layer has other names in vLLM
-(`block_sparse_moe`, w1/w3/w2): the engine takes and reports the trainer's names all the same."""
+"""Tiny Qwen3-MoE, Qwen2-MoE (a gated shared expert too) and Mixtral folders in a real vLLM
+engine (CPU build, in a process of its own): the engine names its stacked experts and router
+gates as the trainer does, the weights read back from it (digest) are the trainer's, its
+log-probs equal the HF model's recompute, and after an in-place reload of new weights both hold
+again (vLLM's CPU reload leaves the experts unpacked: roles/vllm_moe.py prepacks them again).
+Mixtral's MoE layer has other names in vLLM (`block_sparse_moe`, w1/w3/w2): the engine takes
+and reports the trainer's names all the same."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_moe_engine_holds_and_computes_with_the_trainer_weights(family, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from _moe_model import write_moe_model
