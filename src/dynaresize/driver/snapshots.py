@@ -25,6 +25,8 @@ Invariants:
   after any trained step is recoverable: the latest full snapshot plus its replay;
 - the copy of version v reads version v: `snapshot_begin` runs on the trainers' issuing thread
   between the steps, and the next step's optimizer (or a resize: `settle`) waits for it;
+- the object store holds one full snapshot (an older one keeps its parameters only once a newer
+  one is complete) and the parameter versions a window needs;
 - one `snapshot` record per snapshot: step (its version), snapshot_kind, bytes, seconds (the
   copy, slowest trainer), critical_s (the driver's issue and waits plus the optimizer's wait).
 """
@@ -196,8 +198,16 @@ class Snapshots:
         self.steps_snapshotted += 1
         self.kinds[p.kind] += 1
         if p.kind == "full":
-            self.replay = {s: v for s, v in self.replay.items() if s >= version}
+            self._new_base(version)
         return snap
+
+    def _new_base(self, version: int) -> None:
+        """Full snapshot `version` is the base of any replay now: the steps before it leave the
+        replay log, and older full snapshots keep their parameters only (their moments freed)."""
+        self.replay = {s: v for s, v in self.replay.items() if s >= version}
+        for v, snap in self.done.items():
+            if v < version and snap.others is not None:
+                snap.others = None
 
     def poll(self) -> None:
         """Complete the pending snapshots whose results are all in (no waiting); emit the records
@@ -257,7 +267,7 @@ class Snapshots:
         t0 = time.time()
         snap = snapshot.take(self.run.cluster, version, devices)
         self.done[version] = snap
-        self.replay = {s: v for s, v in self.replay.items() if s >= version}
+        self._new_base(version)
         self._row(version, "full", snap.metas, seconds=max(m.get("seconds", 0.0) for m in snap.metas),
                   critical_s=time.time() - t0, cause="recovery")
         self._emit(final=False)
