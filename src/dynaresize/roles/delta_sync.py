@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynaresize.roles.weight_sync import BUCKET_BYTES, Chunk, Spec, Staging, _numel, _views, buckets
+from dynaresize.roles.weight_sync import BUCKET_BYTES, Chunk, Spec, Staging, _numel, _views, buckets, packed_buckets
 
 DENSE, INDEX, BITMAP = 0, 1, 2
 KIND_NAMES = {DENSE: "dense", INDEX: "index", BITMAP: "bitmap"}
@@ -207,19 +207,9 @@ def send_delta(full: Iterator[tuple[str, torch.Tensor]], specs: list[Spec], *, w
     if is_root:
         image.version = -1  # until every bucket is in (as on the receivers)
     pin = device.type == "cuda"
-    for b, bucket in enumerate(buckets(specs, bucket_bytes, dtype.itemsize)):
+    packed = packed_buckets(full, specs, is_root=is_root, device=device, dtype=dtype, bucket_bytes=bucket_bytes)
+    for b, (bucket, flat) in enumerate(packed):
         n = sum(_numel(s) for _, s in bucket)
-        flat = torch.empty(n, dtype=dtype, device=device) if is_root else None
-        off = 0
-        for name, shape in bucket:
-            got_name, tensor = next(full)
-            if got_name != name or tuple(tensor.shape) != tuple(shape):
-                raise RuntimeError(f"weight sync: expected {name} {shape}, the trainer gave {got_name} "
-                                   f"{tuple(tensor.shape)}")
-            if is_root:
-                flat[off:off + tensor.numel()].copy_(tensor.reshape(-1))
-            off += tensor.numel()
-            del tensor
         if not is_root:
             continue
         host = flat if flat.device.type == "cpu" else flat.cpu()

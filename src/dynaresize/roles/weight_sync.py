@@ -130,13 +130,13 @@ def _views(flat: torch.Tensor, bucket: list[Spec]) -> Chunk:
     return out
 
 
-def send_weights(full: Iterator[tuple[str, torch.Tensor]], specs: list[Spec], *, root: int, group, is_root: bool,
-                 device: torch.device, dtype: torch.dtype = torch.float32, bucket_bytes: int = BUCKET_BYTES) -> int:
-    """Trainer side: consume the (collective) full-weight iterator; the root broadcasts each
-    bucket, cast to the wire `dtype`. Returns the bytes the root sent (0 elsewhere)."""
-    import torch.distributed as dist
-
-    sent = 0
+def packed_buckets(full: Iterator[tuple[str, torch.Tensor]], specs: list[Spec], *, is_root: bool,
+                   device: torch.device, dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES
+                   ) -> Iterator[tuple[list[Spec], torch.Tensor | None]]:
+    """Trainer side: consume the (collective: every trainer takes it) full-weight iterator
+    bucket by bucket; yield each bucket's specs with, on the root, its weights packed into one
+    flat tensor of the wire `dtype` (None elsewhere). Raises RuntimeError when the trainer's
+    parameters are not `specs`, in order."""
     for bucket in buckets(specs, bucket_bytes, dtype.itemsize):
         flat = torch.empty(sum(_numel(s) for _, s in bucket), dtype=dtype, device=device) if is_root else None
         off = 0
@@ -149,6 +149,18 @@ def send_weights(full: Iterator[tuple[str, torch.Tensor]], specs: list[Spec], *,
                 flat[off:off + tensor.numel()].copy_(tensor.reshape(-1))
             off += tensor.numel()
             del tensor
+        yield bucket, flat
+        del flat
+
+
+def send_weights(full: Iterator[tuple[str, torch.Tensor]], specs: list[Spec], *, root: int, group, is_root: bool,
+                 device: torch.device, dtype: torch.dtype = torch.float32, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Trainer side: consume the (collective) full-weight iterator; the root broadcasts each
+    bucket, cast to the wire `dtype`. Returns the bytes the root sent (0 elsewhere)."""
+    import torch.distributed as dist
+
+    sent = 0
+    for _, flat in packed_buckets(full, specs, is_root=is_root, device=device, dtype=dtype, bucket_bytes=bucket_bytes):
         if is_root and group is not None:
             dist.broadcast(flat, src=root, group=group)
             sent += flat.numel() * flat.element_size()
