@@ -145,3 +145,25 @@ def read_records(path: str | Path, kind: str | None = None) -> Iterator[dict]:
                 rec = json.loads(line)
                 if kind is None or rec.get("kind") == kind:
                     yield rec
+
+
+def run_records(run_dir: str | Path, kind: str | None = None) -> Iterator[dict]:
+    """Yield the records of the run in `run_dir` (optionally one kind), for commands reading a
+    run a user names: a missing `records.jsonl` or a line that is not JSON is a `UserError`
+    naming the file (and line), raised when iteration reaches it."""
+    from dynaresize.errors import UserError
+
+    p = Path(run_dir)
+    path = p / "records.jsonl"
+    if not path.is_file():
+        raise UserError(f"{p}: no records.jsonl (not a dynaresize run directory)")
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{lineno}: not a JSON record") from None
+            if kind is None or rec.get("kind") == kind:
+                yield rec

@@ -23,6 +23,7 @@ import numpy as np
 
 from dynaresize.advise.logs import LoggedRun, parse_console, printed_batch, steps_from_rows
 from dynaresize.errors import UserError
+from dynaresize.records import run_records
 
 FORMATS = ("auto", "verl-log", "tensorboard", "wandb-csv", "dynaresize")
 
@@ -152,34 +153,25 @@ def _scalars(f: Path):
 
 def _run_dir(p: Path) -> LoggedRun:
     path = p / "records.jsonl"
-    if not path.is_file():
-        raise UserError(f"{p}: no records.jsonl (not a dynaresize run directory)")
     config: dict = {}
     rows: list[dict] = []
     lengths: dict[int, dict[tuple[int, int], int]] = {}
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{lineno}: not a JSON record") from None
-            kind = rec.get("kind")
-            if kind == "config" and not config:
-                config = rec.get("config", {})
-            elif kind == "step":
-                rows.append({"step": rec["step"], "rollout_s": rec.get("rollout_s"), "train_s": rec.get("train_s"),
-                             "sync_s": rec.get("sync_s"), "step_s": rec["t_end_s"] - rec["t_start_s"],
-                             "response_len_mean": rec.get("response_len_mean"),
-                             "response_len_max": rec.get("response_len_max"),
-                             "num_rollout": rec.get("num_rollout"), "num_train": rec.get("num_train")})
-            elif kind == "sample" and not rec.get("dropped") and "num_tokens" in rec:
-                s, prompt, i = (int(x) for x in str(rec["sample_id"]).split("-"))
-                lengths.setdefault(s, {})[(prompt, i)] = int(rec["num_tokens"])
+    for rec in run_records(p):
+        kind = rec.get("kind")
+        if kind == "config" and not config:
+            config = rec.get("config", {})
+        elif kind == "step":
+            rows.append({"step": rec["step"], "rollout_s": rec.get("rollout_s"), "train_s": rec.get("train_s"),
+                         "sync_s": rec.get("sync_s"), "step_s": rec["t_end_s"] - rec["t_start_s"],
+                         "response_len_mean": rec.get("response_len_mean"),
+                         "response_len_max": rec.get("response_len_max"),
+                         "num_rollout": rec.get("num_rollout"), "num_train": rec.get("num_train")})
+        elif kind == "sample" and not rec.get("dropped") and "num_tokens" in rec:
+            s, prompt, i = (int(x) for x in str(rec["sample_id"]).split("-"))
+            lengths.setdefault(s, {})[(prompt, i)] = int(rec["num_tokens"])
     if not rows:
         raise UserError(f"{path}: no step records")
-    cluster, rollout = config.get("cluster", {}), config.get("rollout", {})
+    rollout = config.get("rollout", {})
     splits = {(r["num_rollout"], r["num_train"]) for r in rows}
     if len(splits) > 1:
         raise UserError(f"{p}: the run changed its split ({', '.join(f'{a}:{b}' for a, b in sorted(splits))}); "

@@ -13,11 +13,11 @@ Reads files; otherwise pure (no clock, no Ray, no torch).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from dynaresize.errors import UserError
+from dynaresize.records import run_records
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,19 +43,9 @@ def filter_shares(run_dir: str | Path) -> RunShares:
     """The filtered share per step of the run in `run_dir`; a UserError names what is missing."""
     p = Path(run_dir)
     path = p / "records.jsonl"
-    if not path.is_file():
-        raise UserError(f"{p}: no records.jsonl (not a dynaresize run directory)")
     by_step: dict[int, tuple[int, int]] = {}
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{lineno}: not a JSON record") from None
-            if rec.get("kind") != "step" or "groups_filtered" not in rec:
-                continue
+    for rec in run_records(p, "step"):
+        if "groups_filtered" in rec:
             filtered = int(rec["groups_filtered"])
             scored = int(rec["groups_kept"]) + filtered + int(rec.get("groups_surplus", 0))
             by_step[int(rec["step"])] = (filtered, scored)
