@@ -190,10 +190,15 @@ def _lost_nodes(cluster: Any, lost_ids: list[int]) -> list[str]:
     return sorted({cluster.nodes[d] for d in lost_ids} - kept)
 
 
-def stop_run(run: Any, w: Window, reason: str) -> NoReturn:
-    """End the run at its last consistent point: checkpoint, dropped samples, summary; raise."""
+def stop_run(run: Any, w: Window, reason: str, *, trainers: tuple[int, ...] = ()) -> NoReturn:
+    """End the run at its last consistent point: checkpoint, dropped samples, summary; raise.
+    `trainers`: the training devices when none was lost (a stop for another reason): their
+    state now becomes a full snapshot, so no trained step is given up."""
     try:
         run.snapshots.after_loss(set())  # a full snapshot done but not yet collected counts
+        latest = max(run.snapshots, default=None)
+        if trainers and latest is not None and run.snapshots[latest].others is None:
+            run.snapshots.recovered(latest, trainers, cause="stop")
     except Exception:  # noqa: BLE001 - a further loss: what was collected stands
         pass
     boundary = run.snapshots.latest_full()

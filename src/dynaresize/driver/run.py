@@ -161,7 +161,7 @@ class Run(StepReporting):
                         self.stream.after_recovery()
                     continue
                 except RewardError as exc:
-                    stop_run(self, w, f"step {w.step}: {exc}")
+                    stop_run(self, w, f"step {w.step}: {exc}", trainers=self.assignment.devices(TRAIN))
                 bar.update(1)
                 bar.set_postfix(split=f"{self.assignment.num_rollout}R:{self.assignment.num_train}T",
                                 reward=f"{w.scored.mean_reward:.3f}")

@@ -262,14 +262,15 @@ class Snapshots:
                 dropped.append(v)
         return dropped
 
-    def recovered(self, version: int, devices: tuple[int, ...]) -> float:
-        """A blocking full snapshot of the replayed state (the new base); its seconds."""
+    def recovered(self, version: int, devices: tuple[int, ...], cause: str = "recovery") -> float:
+        """A blocking full snapshot of the trainers' state now (the new base: after a replay, or of
+        a clean stop's last trained version); its seconds."""
         t0 = time.time()
         snap = snapshot.take(self.run.cluster, version, devices)
         self.done[version] = snap
         self._new_base(version)
         self._row(version, "full", snap.metas, seconds=max(m.get("seconds", 0.0) for m in snap.metas),
-                  critical_s=time.time() - t0, cause="recovery")
+                  critical_s=time.time() - t0, cause=cause)
         self._emit(final=False)
         return time.time() - t0
 
