@@ -1,4 +1,4 @@
-"""Delta weight sync end to end (issue 37): the real runtime on Ray + gloo, HF engines in bf16.
+"""Delta weight sync end to end: the real runtime on Ray + gloo, HF engines in bf16.
 
 A bf16 run at lr 1e-6 over 8 steps with a move each way, once with `rollout.weight_sync=delta`
 and once with `full`, same seed: every delta sync after the first full one sends at most 10% of
@@ -9,8 +9,6 @@ and moves each way equals the static full-sync run (tokens, parameters within 1e
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -23,16 +21,11 @@ from dynaresize.presets import preset  # noqa: E402
 from dynaresize.records import read_records  # noqa: E402
 from dynaresize.types import ROLLOUT, TRAIN  # noqa: E402
 
+from _runs import ray_local  # noqa: E402,F401
+
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 SCHEDULE = "2:3,5:2"  # after step 1 a trainer leaves for rollout, after step 4 it comes back
 
-
-@pytest.fixture(scope="module")
-def ray_local():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _cfg(**rollout):
