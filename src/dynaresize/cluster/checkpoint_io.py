@@ -46,14 +46,14 @@ def write_trainer_checkpoint(cluster: Any, directory: str | Path, *, version: in
 
         snap = snapshot.take(cluster, version, trainers)
         snapshot.write_checkpoint(snap, directory, extra=extra)
-        return {"written_by": "driver", "bytes": _bytes(directory)}
+        return {"written_by": "driver", "bytes": dir_bytes(directory)}
     out = cluster.wait([(d, cluster.workers[d].save_checkpoint_shard.remote(str(directory), version, len(trainers)))
                         for d in trainers], "checkpoint: trainer shards")
     m0 = min(out, key=lambda o: o["info"]["index"])
     ckpt.write_manifest(directory, infos=[o["info"] for o in out], numel=m0["numel"], params=m0["params"],
                         ranks=list(range(len(trainers))), scalars=m0["scalars"], settings=m0["settings"],
                         layout=m0["layout"], extra={"version": version, **(extra or {})})
-    return {"written_by": "trainers", "bytes": _bytes(directory)}
+    return {"written_by": "trainers", "bytes": dir_bytes(directory)}
 
 
 def write_snapshot_checkpoint(cluster: Any, snap: Any, directory: str | Path, *, params_only: bool = False,
@@ -71,7 +71,7 @@ def write_snapshot_checkpoint(cluster: Any, snap: Any, directory: str | Path, *,
     chosen = [writers[i % len(writers)] for i in range(num)]
     if not _all_see(cluster, sorted(set(chosen)), directory):
         snapshot.write_checkpoint(snap, directory, extra=extra, params_only=params_only)
-        return {"written_by": "driver", "bytes": _bytes(directory)}
+        return {"written_by": "driver", "bytes": dir_bytes(directory)}
     others = [None] * num if params_only or snap.others is None else snap.others
     infos = cluster.wait([(w, cluster.workers[w].write_snapshot_shard.remote(
         str(directory), i, num, m["pieces"], snap.version, snap.params[i], others[i]))
@@ -80,7 +80,7 @@ def write_snapshot_checkpoint(cluster: Any, snap: Any, directory: str | Path, *,
     ckpt.write_manifest(directory, infos=infos, numel=snap.numel, params=m0["params"], ranks=list(range(num)),
                         scalars=m0["scalars"], settings=m0.get("settings", {}), layout=m0.get("layout"),
                         extra={"version": snap.version, **(extra or {})})
-    return {"written_by": "workers", "bytes": _bytes(directory)}
+    return {"written_by": "workers", "bytes": dir_bytes(directory)}
 
 
 def export_hf(cluster: Any, directory: str | Path) -> str:
@@ -101,5 +101,6 @@ def export_hf(cluster: Any, directory: str | Path) -> str:
     return "trainer"
 
 
-def _bytes(directory: Path) -> int:
+def dir_bytes(directory: Path) -> int:
+    """Bytes of every file under `directory` (a checkpoint's size)."""
     return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())

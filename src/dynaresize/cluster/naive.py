@@ -33,6 +33,7 @@ from typing import Any
 
 import ray
 
+from dynaresize.cluster.checkpoint_io import dir_bytes
 from dynaresize.cluster.cluster import Cluster
 from dynaresize.cluster.placement import actor_options, worker_env
 from dynaresize.cluster.worker import remote_worker_class, worker_config
@@ -81,10 +82,6 @@ class NaiveOutcome:
         return {name: hi - lo for name, (lo, hi) in spans.items()}
 
 
-def _dir_bytes(directory: Path) -> int:
-    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
-
-
 def _wait_dead(workers: list[Any], timeout_s: float) -> None:
     """Return once every killed actor refuses calls (its process is gone or going)."""
     deadline = time.time() + timeout_s
@@ -123,7 +120,7 @@ def naive_resize(cluster: Cluster, plan: ResizePlan, *, version: int, step: int,
         # 1. Trainer state to disk (every old training device writes its shard; collective).
         t0 = time.time()
         cluster.save_checkpoint(str(ckpt_dir), extra={"version": version, "step": step})
-        out.checkpoint_bytes = _dir_bytes(ckpt_dir)
+        out.checkpoint_bytes = dir_bytes(ckpt_dir)
         phase(SAVE_CHECKPOINT, t0, time.time(), nbytes=out.checkpoint_bytes)
 
         # 2. Tear down every worker process.

@@ -8,8 +8,10 @@ engine iterations until one finishes (or a short slice passes) and returns; the 
 the next call at once while the engine has requests. Between two calls the worker runs
 whatever else the driver queued for it (a weight pull, the ops of a resize).
 
-- Admission: an engine runs several items; it takes another (of the version it holds) once
-  every item it runs is down to its last request (`StreamItem.in_body`), as the simulator's `admit`.
+- Admission: an engine runs several items; it takes another (of the version it holds) when the
+  item fits in its free slots (`rollout.vllm_max_num_seqs`, emulated: the replica's slots) or
+  once every item it runs is down to its last request, as the simulator's `admit`; items are
+  offered in rounds, the emptiest engine first (cluster/router_engines.py).
 - Weights: an engine that must change version pulls it from the driver's snapshot of that
   version (`restore_rollout`, queued on the actor before the `serve` that starts the item;
   emulated: paced to the weight sync's modelled time). In deterministic mode the engine's
@@ -20,7 +22,8 @@ whatever else the driver queued for it (a weight pull, the ops of a resize).
   (`pacing.request_due`), not when the tiny real model finished it: the share's longest request
   at the share's modelled end, the others when its body ends (`StageModel.chunk`), as the
   simulator times a share on a replica; a share admitted while others run is timed from the end
-  of their body (the simulator runs a replica's shares one after another, tails overlapping); a pull under running tails moves their ends by the pull (partial rollout).
+  of their body (the simulator runs a replica's shares one after another, tails overlapping); a
+  pull under running tails moves their ends by the pull (partial rollout).
 - `migrate(devices)`, the `migrate_requests` op of a rollout -> train move: the requests in
   flight on leaving engines stop there and go back to the front of the queue (same sample
   ids and seeds; with their prefix under partial rollout), for the remaining engines. The

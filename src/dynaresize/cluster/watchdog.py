@@ -109,14 +109,11 @@ class Tracker:
                 else:
                     self.first_failure = self.first_failure or now
                     done_out.append((ref, rank, False, exc))
-        if lost:  # a killed peer starts the wedge clock as a failure does (module docstring)
-            self._lost_at(now)
         busy = sorted({r for r in inflight.values()} - set(lost))
         for rank in busy:
             known = dog.lost.get(rank)
             if known is not None:
                 lost[rank] = known
-                self._lost_at(now)
                 continue
             self.alive_at.setdefault(rank, self.t_start)
             ping = self.pings.get(rank)
@@ -131,19 +128,19 @@ class Tracker:
                     except Exception as exc:  # noqa: BLE001
                         if is_lost_error(exc):
                             lost[rank] = f"worker died during {self.where} ({type(exc).__name__})"
-                            self._lost_at(now)
                             continue
             if rank not in self.pings:
                 self.pings[rank] = dog.ping(rank)
             silent = now - self.alive_at[rank]
             if silent > dog.collective_s and rank in dog.seen:  # a worker still starting may be slow
                 lost[rank] = f"no answer for {silent:.1f}s during {self.where} (stopped)"
-                self._lost_at(now)
             elif self.first_failure is not None and now - self.first_failure > dog.collective_s + dog.margin_s:
                 lost[rank] = (f"still busy {now - self.first_failure:.1f}s after a peer failed or was lost during "
                               f"{self.where} (wedged in a collective)")
             elif now - self.t_start > (self.deadline_s or dog.call_s):
                 lost[rank] = f"no result within {self.deadline_s or dog.call_s:g}s during {self.where}"
+        if lost:  # a killed peer starts the wedge clock as a failure does (module docstring)
+            self._lost_at(now)
         for ref, rank in list(inflight.items()):
             if rank in lost:
                 inflight.pop(ref)
@@ -158,6 +155,7 @@ class Tracker:
         rollout's wait (independent calls) leaves the clock alone: its other calls run on."""
         if self.wedge_on_loss and self.first_failure is None:
             self.first_failure = now
+
 
 class Watchdog:
     """Deadlines and liveness for the driver's waits on the workers of one cluster."""

@@ -313,9 +313,8 @@ OP_COSTS: dict[str, Callable[[ModelPreset, int, int, Hardware], tuple[float, flo
     "move_optimizer_shards": _shard_cost("moments", "old"),
     "receive_optimizer_shards": _shard_cost("moments", "new"),
     # Wake a sleeping engine; full weights ride the regular post-step weight sync (3.3), which with
-    # delta sync is a full one for the joining engine: the move pays the difference.
-    "load_weights": _fixed(lambda m: m.engine_wake_s + (sync_s(m, full=True) - sync_s(m) if m.weight_sync == "delta"
-                                                          else 0.0)),
+    # delta sync is a full one for the joining engine: the move pays the difference (0 with full sync).
+    "load_weights": _fixed(lambda m: m.engine_wake_s + sync_s(m, full=True) - sync_s(m)),
     "alloc_kv_cache": _fixed(lambda m: m.kv_alloc_s),
     "add_to_router": _fixed(lambda m: ROUTER_S),
     "stop_routing": _fixed(lambda m: ROUTER_S),

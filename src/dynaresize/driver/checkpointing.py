@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dynaresize.cluster.checkpoint_io import dir_bytes
 from dynaresize.config_load import config_to_dict
 from dynaresize.errors import CheckpointError
 from dynaresize.pipeline.stepstate import rollout_version
@@ -156,7 +157,7 @@ class Checkpointer:
                      written_by=written,
                      records_offset=offset, rollout_version=rv, weight_versions=1 + len(extra),
                      stream_samples=sum(len(v) for v in state["stream_samples"].values()),
-                     bytes=sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
+                     bytes=dir_bytes(out))
         return out
 
 

@@ -34,7 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import ray
@@ -65,7 +65,6 @@ class _Row:
 
     fields: dict
     gate_known: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class Snapshots:
@@ -81,7 +80,6 @@ class Snapshots:
         self.rows: dict[int, _Row] = {}
         self.full_s: float | None = None  # the start snapshot's copy seconds (Young/Daly's cost)
         self.bytes_total = 0  # bytes of the per-step snapshots (not the start's nor a recovery's)
-        self.steps_snapshotted = 0
         self.kinds: dict[str, int] = {"full": 0, "params": 0}
         self._t_prev: float | None = None
 
@@ -195,7 +193,6 @@ class Snapshots:
         self._row(version, p.kind, metas, seconds=seconds, critical_s=p.issue_s + p.wait_s + (p.gate_s or 0.0),
                   cause="step", gate_known=p.gate_s is not None)
         self.bytes_total += sum(m["bytes"] for m in metas)
-        self.steps_snapshotted += 1
         self.kinds[p.kind] += 1
         if p.kind == "full":
             self._new_base(version)
@@ -327,6 +324,6 @@ class Snapshots:
                 "or expect spilling to disk")
 
     def summary(self) -> dict:
-        steps = max(1, self.steps_snapshotted)
+        steps = max(1, sum(self.kinds.values()))  # snapshots taken after a step
         return {"snapshot_every": self.every, "snapshot_bytes_per_step": self.bytes_total / steps,
                 "snapshots_full": self.kinds["full"], "snapshots_params": self.kinds["params"]}
