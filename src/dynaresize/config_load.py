@@ -97,6 +97,15 @@ def _coerce(tp: Any, value: Any, path: str, err: _Errors) -> Any:
     return value
 
 
+def _optional_section(tp: Any) -> type | None:
+    """The dataclass of a `Section | None` field (a table that may be absent: train.lora), else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            return inner[0]
+    return None
+
+
 def _build(cls: type, data: Any, path: str, err: _Errors) -> Any:
     if not isinstance(data, dict):
         err.add(path or "config", data, "must be a table of fields")
@@ -117,6 +126,9 @@ def _build(cls: type, data: Any, path: str, err: _Errors) -> Any:
         if dataclasses.is_dataclass(tp):
             kwargs[f.name] = _build(tp, data[f.name], f"{path}{f.name}.", err)
             continue
+        if (section := _optional_section(tp)) is not None:  # null: off; a table: built and checked
+            kwargs[f.name] = None if data[f.name] is None else _build_section(section, data[f.name], f"{path}{f.name}", err)
+            continue
         before = len(err.lines)
         value = _coerce(tp, data[f.name], f"{path}{f.name}", err)
         if len(err.lines) == before:
@@ -128,13 +140,28 @@ def _build(cls: type, data: Any, path: str, err: _Errors) -> Any:
     return obj
 
 
+def _build_section(cls: type, data: Any, path: str, err: _Errors) -> Any:
+    """An optional section's table, built as `_build` does; its required fields missing (or a
+    value that is no table) are errors naming the field, never a TypeError."""
+    if not isinstance(data, dict):
+        err.add(path, data, "must be a table of fields (or null: off)")
+        return None
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data]
+    for name in missing:
+        err.add(f"{path}.{name}", None, "required")
+    return None if missing else _build(cls, data, f"{path}.", err)
+
+
 def field_paths(cls: type = RunConfig, prefix: str = "") -> list[str]:
-    """Every leaf field of a config class as `section.field` (docs and tests walk them)."""
+    """Every leaf field of a config class as `section.field` (docs and tests walk them; an
+    optional section's fields as `section.sub.field`)."""
     hints = typing.get_type_hints(cls)
     out: list[str] = []
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out += field_paths(hints[f.name], f"{prefix}{f.name}.")
+        section = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else _optional_section(hints[f.name])
+        if section is not None:
+            out += field_paths(section, f"{prefix}{f.name}.")
         else:
             out.append(f"{prefix}{f.name}")
     return out

@@ -171,6 +171,7 @@ LENGTH_REWARD = Lazy(lambda: f"{_files() / 'rewards.py'}:length_reward")
 BROKEN_REWARD = Lazy(lambda: f"{_files() / 'rewards.py'}:broken_reward")
 CHECKPOINT_DIR = Lazy(lambda: str(_files() / "shared-checkpoints"))
 EVAL_BASE = {"eval": {"every_steps": 2}}  # evaluation on: the mode the other eval fields belong to
+LORA_BASE = {"train": {"lora": {"rank": 2}}}  # LoRA on: the mode the other train.lora fields belong to
 
 
 @functools.lru_cache(maxsize=None)
@@ -1080,6 +1081,13 @@ EVIDENCE: dict[str, tuple] = {
     "train.entropy_coef": (Probe(0.01, _train_steps), Refused(-0.1, "train.entropy_coef=-0.1")),
     "train.kl_penalty": (Refused("reward", "train.kl_penalty='reward': not supported"),
                          Refused("sum", "train.kl_penalty='sum': must be loss")),
+    "train.lora.rank": (Refused(0, "train.lora.rank=0: must be an integer >= 1"),
+                        Refused(2, "rollout.weight_sync='delta': not with train.lora",
+                                base={"rollout": {"weight_sync": "delta"}})),
+    "train.lora.alpha": (Refused(0.0, "train.lora.alpha=0.0: must be > 0", base=LORA_BASE),),
+    "train.lora.dropout": (Refused(1.0, "train.lora.dropout=1.0: must be in [0, 1)", base=LORA_BASE),),
+    "train.lora.target_modules": (Refused(("all-linear", "q_proj"), "train.lora.target_modules='all-linear,q_proj'",
+                                          base=LORA_BASE),),
     "policy.name": (Probe("greedy", _decisions, base=POLICY_BASE),),
     "policy.static_rollout": (Probe(4, _decisions, base=merge(POLICY_BASE, {"policy": {"name": "static"}})),),
     "policy.schedule": (Probe("3:4,9:1", _decisions,

@@ -266,7 +266,8 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         t0 = time.time()
         specs, wire = self._model_specs(), self._wire_dtype()
         group = self.pool.get(sync_ranks) if self.device in sync_ranks else None
-        if resolve_mode(self.cfg.rollout.weight_sync, wire) == "delta":  # only what changed (roles/delta_sync.py)
+        lora = self.cfg.train.lora is not None  # the adapter goes whole (auto: full; delta refused by the config)
+        if not lora and resolve_mode(self.cfg.rollout.weight_sync, wire) == "delta":  # only what changed (delta_sync.py)
             out = sync_member(trainer=self.trainer, engine=self.engine, image=self.sync_image, specs=specs, root=root,
                               group=group, version=version, device=self.torch_device, dtype=wire,
                               is_root=self.device == root)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from dynaresize.errors import FieldErrors as _Errors  # noqa: F401  (config_load's collector, by its old name)
 from dynaresize.config.rollout import ROLLOUT_DTYPES, ROLLOUT_ENGINES, RolloutConfig  # noqa: F401
 from dynaresize.config.train import (  # noqa: F401
-    ADV_ESTIMATORS, LOSS_AGG_MODES, MAX_STALENESS, AlgorithmConfig, TrainConfig,
+    ADV_ESTIMATORS, ALL_LINEAR, LOSS_AGG_MODES, MAX_STALENESS, AlgorithmConfig, LoraConfig, TrainConfig,
 )
 from dynaresize.types import FAULT_KINDS, FAULT_POINTS, FaultSpec, parse_fault, parse_schedule  # noqa: F401
 
@@ -247,6 +247,8 @@ class RunConfig:
         if t.lr_schedule != "constant":
             err.need(self.steps > t.warmup_steps, "train.warmup_steps", t.warmup_steps,
                      f"must be below steps ({self.steps}) for a {t.lr_schedule} schedule")
+        err.need(t.lora is None or self.rollout.weight_sync != "delta", "rollout.weight_sync", "delta",
+                 "not with train.lora: a sync sends the adapter whole (megabytes, docs/lora.md); use full or auto")
         err.need(not self.rollout.partial or (t.staleness >= 2 and not self.deterministic), "rollout.partial", True,
                  "needs train.staleness >= 2 (streaming) and deterministic = false (timing picks a token's weights)")
         e = self.eval

@@ -1,5 +1,5 @@
 """The run configuration's `train` and `algorithm` sections (re-exported by `config`): the optimizer,
-the loss, the advantage estimator and dynamic sampling.
+the loss, LoRA (`train.lora`), the advantage estimator and dynamic sampling.
 
 Pure: nothing but `errors` imported.
 """
@@ -14,6 +14,30 @@ from dynaresize.errors import FieldErrors as _Errors
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # rl.grpo
 MAX_STALENESS = 4  # streaming keeps up to staleness + 2 weight versions on the driver (docs/pipeline.md)
+
+
+ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """`train.lora`: train a low-rank adapter (peft's LoraConfig; verl's lora_rank, lora_alpha,
+    target_modules) instead of the whole model; docs/lora.md says what it changes."""
+
+    rank: int  # r: the adapter's inner dimension
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input while training
+    target_modules: tuple[str, ...] = (ALL_LINEAR,)  # module name suffixes (q_proj, ...) or all-linear
+
+    def check(self, err: "_Errors") -> None:
+        err.need(isinstance(self.rank, int) and self.rank >= 1, "rank", self.rank, "must be an integer >= 1")
+        err.need(math.isfinite(self.alpha) and self.alpha > 0, "alpha", self.alpha, "must be > 0")
+        err.need(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
+        names = self.target_modules
+        err.need(bool(names) and all(isinstance(n, str) and n.strip() for n in names), "target_modules",
+                 ",".join(map(str, names)), "must name at least one module (or all-linear)")
+        err.need(ALL_LINEAR not in names or len(names) == 1, "target_modules", ",".join(map(str, names)),
+                 f"{ALL_LINEAR} already names every linear layer: give it alone")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +67,7 @@ class TrainConfig:
     adv_std: str = "sample"  # the group std: sample (ddof=1, as verl and TRL) | population (ddof=0)
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy, aggregated like the loss
     kl_penalty: str = "loss"  # where kl_coef's KL goes: loss (reward, verl's use_kl_in_reward: refused)
+    lora: LoraConfig | None = None  # None: train every weight; else only a LoRA adapter (docs/lora.md)
 
     def check(self, err: "_Errors") -> None:
         err.need(self.lr > 0, "lr", self.lr, "must be > 0")
