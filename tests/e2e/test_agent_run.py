@@ -2,7 +2,9 @@
 
 - Deterministic mode, streaming (staleness 2): a run of the calculator task with a move each way
   (the rollout -> train one migrates trajectories in flight, with their history) equals a static
-  run: the same tokens per trajectory (prompt turns and observations alike), final parameters
+  run (both with a calculator that answers after `TOOL_LATENCY_S`, as a remote tool does: each
+  trajectory waits on it up to three times, so rollout outlasts a training step whatever the
+  machine's speed, and the first move finds trajectories in flight to hand on): the same tokens per trajectory (prompt turns and observations alike), final parameters
   within 1e-6, every trajectory one ledger entry with its turns and why it ended.
 - `--preset agent` runs with resizes each way on the HF engine and on vLLM (slow), ledger ok.
 - An environment that fails is handled as a reward error: scored 0 with the reason, or the run
@@ -29,6 +31,18 @@ from _runs import ray_local  # noqa: F401
 pytestmark = pytest.mark.dist
 
 STEPS = 5
+TOOL_LATENCY_S = 1.5
+SLOW_CALCULATOR = f'''
+import time
+
+from dynaresize.rl.agent_task import CalculatorEnv
+
+
+class SlowCalculator(CalculatorEnv):
+    def step(self, action):
+        time.sleep({TOOL_LATENCY_S})
+        return super().step(action)
+'''
 BROKEN_ENV = '''
 class Env:
     def reset(self, sample):
@@ -57,9 +71,12 @@ def _cfg(tmp: Path | None = None, **over):
 @pytest.fixture(scope="module")
 def agent_pair(ray_local, tmp_path_factory):
     base = tmp_path_factory.mktemp("agent")
-    s1 = run_job(_cfg(train__staleness=2, policy={"name": "scripted", "schedule": "2:1,4:3"}), base / "moves",
-                 progress=False)
-    s2 = run_job(_cfg(train__staleness=2, policy={"name": "static:2"}), base / "static", progress=False)
+    env = base / "slow_calculator.py"
+    env.write_text(SLOW_CALCULATOR)
+    task = {**preset("agent")["task"], "env": f"{env}:SlowCalculator"}
+    s1 = run_job(_cfg(train__staleness=2, task=task, policy={"name": "scripted", "schedule": "2:1,4:3"}),
+                 base / "moves", progress=False)
+    s2 = run_job(_cfg(train__staleness=2, task=task, policy={"name": "static:2"}), base / "static", progress=False)
     return base / "moves", s1, base / "static", s2
 
 
