@@ -90,12 +90,10 @@ def export_hf(cluster: Any, directory: str | Path) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     trainers = list(cluster.assignment.devices(TRAIN))
     if not _all_see(cluster, trainers[:1], directory):
-        from dynaresize.rl.models import build_model, complete_state_dict, save_hf
+        from dynaresize.roles.lora_model import save_export
 
         state = cluster.on_trainers("full_weights", where="export")
-        model = build_model(cluster.cfg.model)
-        model.load_state_dict(complete_state_dict(state, model), strict=True)
-        save_hf(model, None, directory)
+        save_export(cluster.cfg.model, cluster.cfg.train.lora, state, directory)  # LoRA: merged, and the adapter
         return "driver"
     cluster.wait([(d, cluster.workers[d].export_hf.remote(str(directory))) for d in trainers], "export")
     return "trainer"

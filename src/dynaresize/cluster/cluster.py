@@ -352,10 +352,10 @@ class Cluster(StagesMixin):
     def layout_for(self, ranks) -> Any:
         """The trainers' state layout over `ranks` (the backend's: FSDP2 row chunks)."""
         from dynaresize.reshard.layout import RowChunkLayout
-        from dynaresize.roles.train_spec import param_shapes
+        from dynaresize.roles.lora_model import trainable_specs
 
-        if self._shapes is None:
-            self._shapes = param_shapes(self.cfg.model)
+        if self._shapes is None:  # LoRA: the adapter's
+            self._shapes = [s for _, s in trainable_specs(self.cfg.model, self.cfg.train.lora)]
         return RowChunkLayout.of_shapes(self._shapes, tuple(ranks))
 
     def check_engine_weights(self, digest: str, version: int) -> None:

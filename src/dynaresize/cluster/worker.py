@@ -151,10 +151,10 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
 
     def _model_specs(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of the trainable parameters in flattening order (tied weights once)."""
-        if self._specs is None:
-            from dynaresize.roles.train_spec import empty_model
+        if self._specs is None:  # with train.lora: the adapter's tensors by wire name (roles/lora.py)
+            from dynaresize.roles.lora_model import trainable_specs
 
-            self._specs = [(n, tuple(p.shape)) for n, p in empty_model(self.cfg.model).named_parameters()]
+            self._specs = trainable_specs(self.cfg.model, self.cfg.train.lora)
         return self._specs
 
     def _layout(self, ranks: Sequence[int]) -> RowChunkLayout:
@@ -218,6 +218,7 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
         # exact only where the engine computes as the trainer does: both in fp32 (on CUDA, auto is bf16 for both)
         cuda = getattr(self, "torch_device", torch.device("cpu")).type == "cuda"
         exact = (self._engine_name() == "hf" and compute_dtype(self.cfg, cuda=cuda) == "fp32"
+                 and self.cfg.train.lora is None  # an engine serves merged weights; trainers compute base + B(A x)
                  and engine_dtype(self.cfg, cuda=cuda) == "float32")
         return "engine" if exact else "recompute"
 
@@ -238,7 +239,12 @@ class DeviceWorker(RecoveryMixin, PacedMixin, TrainStageMixin, ResizeOpsMixin, S
     def start_rollout(self, version: int) -> dict:
         """Initial role: a rollout engine holding the initial weights (version 0)."""
         self.engine = self._new_engine()
-        self.engine.set_weights(build_model(self.cfg.model).state_dict(), version)
+        if self.cfg.train.lora is not None:  # the step-0 adapter (the engine merges it into the base it reads)
+            from dynaresize.roles.lora_model import initial_adapter
+
+            self.engine.set_weights(initial_adapter(self._model_specs(), self.cfg.seed), version)
+        else:
+            self.engine.set_weights(build_model(self.cfg.model).state_dict(), version)
         self.role = "rollout"
         return {"version": version}
 

@@ -55,7 +55,7 @@ class CheckpointMixin:
         """The full weights in HF format (config.json, model.safetensors) written by the first
         trainer into `directory`. Collective over the training group: every trainer gathers the
         full weights parameter by parameter; only the first keeps them."""
-        from dynaresize.rl.models import build_model, complete_state_dict, save_hf
+        from dynaresize.roles.lora_model import save_export
 
         t0 = time.time()
         first = self.trainer.index == 0
@@ -65,12 +65,7 @@ class CheckpointMixin:
                 state[name] = t.cpu()
         if not first:
             return None
-        model = build_model(self.cfg.model)
-        model.load_state_dict(complete_state_dict(state, model), strict=True)
-        # transformers 5 writes only on world rank 0 once torch.distributed is initialised (it
-        # assumes every rank saves the same model); this trainer is the one writer, whatever its rank
-        model.should_save_on_this_rank = lambda is_main_process: is_main_process
-        save_hf(model, None, directory)
+        save_export(self.cfg.model, self.cfg.train.lora, state, directory)  # LoRA: merged, and the adapter
         if not (Path(directory) / "config.json").is_file():
             raise RuntimeError(f"HF export: {directory} has no config.json after the save (transformers skipped it)")
         return {"device": self.device, "t0": t0, "t1": time.time()}

@@ -63,7 +63,7 @@ class ResizeOpsMixin:
         t0 = time.time()
         old_ranks, new_ranks = tuple(sorted(old_ranks)), tuple(sorted(new_ranks))
         old_layout, new_layout = self._layout(old_ranks), self._layout(new_ranks)
-        kinds = ("param",) + ((REF_KIND,) if self.spec.with_ref else ())
+        kinds = ("param",) + ((REF_KIND,) if self.spec.holds_ref else ())
         old = self.trainer
         new = self._new_trainer(new_ranks, init=False) if self.device in new_ranks else None
         stats = move_state(old, new, kinds=kinds, old_layout=old_layout, new_layout=new_layout, rank=self.device,

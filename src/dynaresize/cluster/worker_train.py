@@ -11,6 +11,7 @@ parts were cut.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -30,15 +31,17 @@ class TrainStageMixin:
         part: `train_part` scales the step's gradient once its last part is in)."""
         tc, temperature = self.cfg.train, self.cfg.rollout.temperature
         denominator = 1 if total_tokens is None else self._loss_denominator(total_tokens)
+        lora_ref = tc.lora is not None and tc.kl_coef > 0
 
         def loss_fn(model: torch.nn.Module, mb: list | None) -> tuple[torch.Tensor, dict]:
             dummy = mb is None
             batch = grpo.dummy_micro_batch() if dummy else mb
             refs = None
-            if self.trainer.ref is not None:
-                with torch.no_grad():
-                    refs = grpo.response_logprobs(self.trainer.ref, batch, temperature=temperature,
-                                                  chunk_tokens=tc.logprob_chunk_tokens)
+            if self.trainer.ref is not None or lora_ref:
+                # LoRA: the reference is the base the policy wraps, its adapter off (no second copy)
+                with torch.no_grad(), (model.disable_adapter() if lora_ref else contextlib.nullcontext()):
+                    refs = grpo.response_logprobs(model if lora_ref else self.trainer.ref, batch,
+                                                  temperature=temperature, chunk_tokens=tc.logprob_chunk_tokens)
             stats: dict = {}
             loss = grpo.micro_batch_loss(model, batch, denominator=denominator, clip_eps=tc.clip_eps,
                                          clip_ratio_low=tc.clip_ratio_low, clip_ratio_high=tc.clip_ratio_high,

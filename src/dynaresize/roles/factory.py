@@ -41,5 +41,6 @@ def rollout_engine_from_config(cfg: Any, tp: TPPlacement | None = None, **kwargs
     from dynaresize.roles.rollout_hf import HFRolloutEngine
 
     device = str(kwargs.get("device", "cpu"))
-    options = {"batch_rows": r.batch_rows, "dtype": base.engine_dtype(cfg, cuda=device.startswith("cuda"))}
+    options = {"batch_rows": r.batch_rows, "dtype": base.engine_dtype(cfg, cuda=device.startswith("cuda")),
+               "lora": cfg.train.lora}  # LoRA: sent adapters, merged into the base it reads itself
     return HFRolloutEngine(cfg.model, r.temperature, **{**options, **kwargs})

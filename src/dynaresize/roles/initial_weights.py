@@ -128,5 +128,6 @@ def fill_shards(modules: Sequence[torch.nn.Module], weights: InitialWeights, ind
                 lo, hi = min(rows, index * chunk), min(rows, (index + 1) * chunk)
                 if local.shape[0] != hi - lo:
                     raise RuntimeError(f"{name}: local shard of {local.shape[0]} rows, expected rows [{lo}, {hi})")
-                if hi > lo:
-                    local.copy_(weights.rows(name, lo, hi))
+                part = weights.rows(name, lo, hi) if hi > lo else None
+                if part is not None:  # None: a row the caller fills otherwise (a LoRA adapter: roles/lora_model.py)
+                    local.copy_(part)

@@ -31,6 +31,11 @@ that many tokens (as inference benchmarks do); otherwise it stops at EOS (includ
 response) or at `max_new_tokens`. Returned log-probs are those of the sampled tokens under the
 sampling distribution, log_softmax(logits / temperature).
 
+LoRA (`lora` given: `train.lora`): the engine is sent the adapter, never the base (roles/lora.py);
+it keeps an `AdapterMerge` whose base weights are read from the model folder or the initial
+weights (`InitialWeights`, as the trainers read theirs), and loads each targeted module's merged
+weight. Its `weights_digest` is the adapter's, which is what the trainers' digest covers.
+
 No global state is touched (threads, RNG, default dtype): the caller pins threads.
 """
 
@@ -42,18 +47,19 @@ from typing import Any
 
 import torch
 
-from dynaresize.config import ModelConfig
+from dynaresize.config import LoraConfig, ModelConfig
 from dynaresize.rl.models import build_model, complete_state_dict
 from dynaresize.roles.base import GenRequest, GenResult, check_request, run_to_completion, target_len
 from dynaresize.roles.device_memory import release_device_memory
 from dynaresize.roles.hf_cohort import Cohort
+from dynaresize.roles.lora import AdapterMerge
 
 
 class HFRolloutEngine:
     """A `RolloutEngine` on an HF causal LM with a KV cache (see the module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, temperature: float, *, batch_rows: int = 8,
-                 device: str | torch.device = "cpu", dtype: str = "float32") -> None:
+                 device: str | torch.device = "cpu", dtype: str = "float32", lora: LoraConfig | None = None) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if batch_rows < 1:
@@ -68,6 +74,8 @@ class HFRolloutEngine:
         self._eos_ids: set[int] = set()
         self._cache_arg = "cache"
         self._cohorts: list[Cohort] = []  # batches being decoded (roles/hf_cohort.py)
+        self.lora = lora
+        self._merge: AdapterMerge | None = None  # LoRA: the kept base and the adapter served
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -83,7 +91,10 @@ class HFRolloutEngine:
         if self._model is None:
             self._load_model()
         assert self._model is not None
-        if isinstance(weights, Mapping):
+        if self.lora is not None:
+            self._load_adapter(weights.items() if isinstance(weights, Mapping) else
+                               (named for chunk in weights for named in chunk))
+        elif isinstance(weights, Mapping):
             with torch.no_grad():
                 self._model.load_state_dict(complete_state_dict(weights, self._model), strict=True)
         else:
@@ -108,9 +119,26 @@ class HFRolloutEngine:
         if missing:
             raise RuntimeError(f"rollout engine weights: missing {missing[:8]} (of {len(params)})")
 
+    def _load_adapter(self, named: Iterable[tuple[str, Any]]) -> None:
+        """LoRA: merge each module whose adapter halves arrived into the base and load it."""
+        if self._merge is None:
+            from dynaresize.roles.initial_weights import initial_weights
+
+            base = initial_weights(self.model_cfg)  # rows of the model folder (or the built-in init), fp32
+            self._merge = AdapterMerge(rank=self.lora.rank, alpha=self.lora.alpha, dtype=self.dtype,
+                                       read_base=lambda n: base.rows(n, 0, base.shapes[n][0]))
+        params = dict(self._model.named_parameters())
+        with torch.no_grad():
+            for name, merged in self._merge.feed(named):
+                if name not in params or tuple(params[name].shape) != tuple(merged.shape):
+                    raise RuntimeError(f"rollout engine LoRA weights: {name} is not a weight of this model")
+                params[name].copy_(merged)
+        if self._merge.pending():
+            raise RuntimeError(f"rollout engine LoRA weights: one adapter half only for {self._merge.pending()[:4]}")
+
     def release(self) -> None:
         """Free the model and its caches (running requests are dropped); `set_weights` loads it again."""
-        self._model, self._cohorts = None, []
+        self._model, self._cohorts, self._merge = None, [], None
         release_device_memory(self.device)  # collects first
 
     def weights_digest(self, names: Iterable[str] | None = None) -> str:
@@ -120,6 +148,8 @@ class HFRolloutEngine:
 
         if self._model is None:
             raise RuntimeError("rollout engine is released: no weights to digest")
+        if self.lora is not None:  # the adapter applied last (the trainers digest theirs)
+            return weights_digest(self._merge.named_adapter(names) if self._merge is not None else ())
         params = dict(self._model.named_parameters())
         return weights_digest((n, params[n]) for n in (params if names is None else names))
 

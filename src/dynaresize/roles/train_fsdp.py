@@ -31,6 +31,11 @@ when a frozen reference model is held) is the list of this rank's local shards, 
 (`pieces(k)`, live views), laid out as `layout`.
 
 The frozen reference policy (KL) is a second FSDP module built the same way (no gradients).
+
+LoRA (`spec.lora`, roles/lora_model.py): the module is peft's wrap of the policy; the base
+weights sit in the same FSDP units, frozen, filled from the initial weights whenever a trainer
+is built (never moved); `params`, `names` (wire names), every state kind and the digest cover
+the adapter only, so a reshard, a snapshot and a checkpoint carry the adapter and its moments.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dynaresize.reshard.layout import RowChunkLayout
+from dynaresize.roles import lora_model
 from dynaresize.roles.initial_weights import InitialWeights, fill_shards
 from dynaresize.roles.device_memory import release_device_memory
 from dynaresize.roles.train_spec import DTYPES, MOMENT_KINDS, REF_KIND, TrainerSpec, empty_model
@@ -81,17 +87,19 @@ class FSDPTrainer:
         self.generator = torch.Generator().manual_seed(spec.seed)  # replicated; checkpointed
         rows = init_model if isinstance(init_model, InitialWeights) else None
         full = None if rows is not None else init_model
+        if spec.lora is not None:  # base rows always (never moved), adapter rows only at init
+            rows, full = lora_model.trainer_rows(spec, init_model), None
         ref_init = None
-        if spec.with_ref and full is not None:
+        if spec.holds_ref and full is not None:
             import copy
 
             ref_init = copy.deepcopy(full)
         self.model = self._shard(full, trainable=True)
-        self.ref = self._shard(ref_init, trainable=False) if spec.with_ref else None
+        self.ref = self._shard(ref_init, trainable=False) if spec.holds_ref else None
         if rows is not None:  # only this rank's rows, read or initialised (roles/initial_weights.py)
             fill_shards([self.model] + ([self.ref] if self.ref is not None else []), rows, self.index, len(self.ranks))
-        named = list(self.model.named_parameters())
-        self.names = [n for n, _ in named]
+        named = [(n, p) for n, p in self.model.named_parameters() if spec.lora is None or p.requires_grad]
+        self.names = [n if spec.lora is None else lora_model.wire_name(n) for n, _ in named]
         self.params = [p for _, p in named]
         self.layout = RowChunkLayout.of_shapes([tuple(p.shape) for p in self.params], self.ranks)
         dt = spec.master_dtype
@@ -111,11 +119,13 @@ class FSDPTrainer:
 
         spec = self.spec
         model = full if full is not None else empty_model(spec.model)
+        if spec.lora is not None and trainable:
+            model = lora_model.wrap(model, spec.lora)
         dtype = spec.master_dtype if trainable else torch.float32
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-        for p in model.parameters():  # a tied weight is one Parameter: cast once, stays tied
+        for n, p in model.named_parameters():  # a tied weight is one Parameter: cast once, stays tied
             p.data = p.data.to(dtype)
-            p.requires_grad_(trainable)
+            p.requires_grad_(trainable and (spec.lora is None or lora_model.wire_name(n) is not None))
         if trainable and spec.activation_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None)
             if enable is not None:
@@ -199,10 +209,10 @@ class FSDPTrainer:
         return {"step": self.step, "device": self.rank}
 
     def state_bytes(self) -> int:
-        """Bytes of parameters, gradients, moments and reference weights this rank holds,
+        """Bytes of parameters (a LoRA base too), gradients, moments and reference weights this rank holds,
         measured from the tensors' storages (FSDP's padding included; shared storage once)."""
         seen: dict[int, int] = {}
-        tensors = [p.to_local() for p in self.params] + [t for k in MOMENT_KINDS for t in self.moments[k]]
+        tensors = [p.to_local() for p in self.model.parameters()] + [t for k in MOMENT_KINDS for t in self.moments[k]]
         tensors += [p.grad.to_local() for p in self.params if p.grad is not None]
         if self.ref is not None:
             tensors += [p.to_local() for p in self.ref.parameters()]

@@ -1,7 +1,7 @@
 """What every trainer of a run agrees on, and the policy's module before it holds weights.
 
 `TrainerSpec` (model, optimizer settings, compute dtype, deterministic mode, whether a frozen
-reference model is held), the state kinds a trainer holds and moves in a reshard
+reference model is held, the LoRA adapter if `train.lora`: roles/lora_model.py), the state kinds a trainer holds and moves in a reshard
 (`STATE_KINDS`, `REF_KIND`), and the model built with its parameters on the meta device
 (`empty_model`, `param_shapes`): the skeleton that `roles.train_fsdp.FSDPTrainer` shards, and
 the shapes the driver plans reshards with, without reading or initialising a weight.
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from dynaresize.config import ModelConfig
+from dynaresize.config import LoraConfig, ModelConfig
 from dynaresize.roles.base import checkpointing, compute_dtype
 from dynaresize.roles.train_state import OptimSettings
 
@@ -37,8 +37,9 @@ class TrainerSpec:
     compute_dtype: str = "fp32"  # fp32 | bf16
     deterministic: bool = False
     activation_checkpointing: bool = False
-    with_ref: bool = False
+    with_ref: bool = False  # the KL needs the reference policy (with LoRA: the base, adapter disabled)
     seed: int = 0
+    lora: LoraConfig | None = None  # train only this adapter (roles/lora_model.py)
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in DTYPES:
@@ -58,11 +59,17 @@ class TrainerSpec:
         optim = OptimSettings.from_config(t, schedule=t.lr_schedule, total_steps=cfg.steps)
         return cls(model=cfg.model, optim=optim, compute_dtype=compute_dtype(cfg, cuda=cuda),
                    deterministic=cfg.deterministic, activation_checkpointing=checkpointing(cfg, cuda=cuda),
-                   with_ref=t.kl_coef > 0, seed=cfg.seed)
+                   with_ref=t.kl_coef > 0, seed=cfg.seed, lora=t.lora)
+
+    @property
+    def holds_ref(self) -> bool:
+        """A second, frozen copy of the policy is held (and moved): not with LoRA, whose
+        reference is the base the trainer holds anyway (peft's adapter disabled)."""
+        return self.with_ref and self.lora is None
 
     def kinds(self) -> tuple[str, ...]:
-        """State kinds a trainer holds (the reshard moves all of them)."""
-        return STATE_KINDS + ((REF_KIND,) if self.with_ref else ())
+        """State kinds a trainer holds (the reshard moves all of them): with LoRA, of the adapter."""
+        return STATE_KINDS + ((REF_KIND,) if self.holds_ref else ())
 
     def dtype_of(self, kind: str) -> torch.dtype:
         return torch.float32 if kind == REF_KIND else self.master_dtype
@@ -100,5 +107,6 @@ def empty_model(model_cfg: ModelConfig) -> nn.Module:
 
 
 def param_shapes(model_cfg: ModelConfig) -> list[tuple[int, ...]]:
-    """Shapes of the trainable parameters in flattening order (tied weights once)."""
+    """Shapes of the trainable parameters in flattening order (tied weights once; with
+    `train.lora`, roles/lora_model.py `trainable_specs` gives the adapter's)."""
     return [tuple(p.shape) for p in empty_model(model_cfg).parameters()]
