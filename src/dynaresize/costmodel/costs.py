@@ -18,6 +18,11 @@ Stage models (used by `sim.engine`):
   (`rollout.weight_sync = delta`, roles/delta_sync.py) a step sends, per element, the cheapest
   of indices + values, a bitmap + values, or dense at the change fraction `f` (`delta_bytes`); a
   joining engine gets the full weights (its move pays the difference, `OP_COSTS["load_weights"]`).
+- LoRA (`train.lora`, `with_lora`): the trainable state is the adapter (costmodel/lora.py), so a
+  move's shards are the adapter's fp32 parameters and moments, a weight sync sends the whole
+  adapter in bf16 (never a delta, never the base), and the trainers hold the frozen base besides
+  the adapter's state (the memory floor). The base never crosses the network: a device that
+  joins training reads its share of the base from the model folder on its own host.
 - Resize ops: the planner's op names (control/planner.py) (shared with the runtime executor through
   `control.planner`); each has a duration and a byte count here.
 
@@ -30,6 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from dynaresize.costmodel import lora as lora_math
 from dynaresize.costmodel import memory
 from dynaresize.errors import ConfigError
 
@@ -38,6 +44,12 @@ GB = 1e9
 # verl's delta sync measurements (3.2, github.com/verl-project/verl/pull/6974); a run that
 # measures its own (`changed_fraction` of its weight_sync records) replaces it.
 DEFAULT_CHANGED_FRACTION = 0.02
+# LoRA: the trainers keep the frozen base in fp32 beside the adapter (roles/lora_model.py fills
+# the wrapped model's rows as fp32, `fill_shards`), sharded like every parameter.
+FROZEN_BASE_BYTES_PER_PARAM = 4.0
+# LoRA: a trainer built at a new training size reads its rows of the base from the model folder
+# (bf16 on disk) on its own host (roles/lora_model.py `LoraRows`: a base never moves).
+BASE_FOLDER_BYTES_PER_PARAM = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +112,7 @@ class ModelPreset:
     head_dim: int = 128
     num_heads: int = 0  # attention (query) heads; 0: not recorded (only the KV heads size the cache)
     vocab_size: int = 0  # 0: not recorded (num_params already counts the embeddings)
+    intermediate_size: int = 0  # the MLP's width; 0: not recorded (a LoRA adapter's size needs it)
     rollout_tp: int = 1  # devices per rollout replica = the move unit (5: TP1 / TP2 / TP4)
     decode_eff: float = 1.7  # real TPOT is 1.5-2x the weight-read bound (5, [D])
     mfu_decode: float = 0.5  # [A] compute efficiency of a decode batch
@@ -117,10 +130,31 @@ class ModelPreset:
     kv_alloc_s: float = 0.3  # allocate KV blocks; CUDA graphs kept (3.3) [A]
     engine_release_s: float = 0.5  # sleep level 2 (3.3: 0.74 s [U])
     engine_cold_start_s: float = 40.0  # vLLM cold start (7.3 table: 40 / 90 / 200 s; 3.3)
+    lora_rank: int = 0  # train.lora's rank; 0: full training (every weight trains)
+    lora_targets: tuple[str, ...] = (lora_math.ALL_LINEAR,)  # train.lora's target_modules
 
     @property
     def weight_bytes(self) -> float:
         return 2.0 * self.num_params  # bf16
+
+    @property
+    def decoder_shape(self) -> lora_math.DecoderShape:
+        if not (self.num_heads and self.intermediate_size):
+            raise ConfigError([f"model={self.name!r}: its preset records no num_heads / intermediate_size, "
+                               "which a LoRA adapter's size needs"])
+        return lora_math.DecoderShape(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                                      num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                      head_dim=self.head_dim, intermediate_size=self.intermediate_size)
+
+    @property
+    def adapter_params(self) -> int:
+        """The LoRA adapter's parameters (0 for full training)."""
+        return lora_math.adapter_params(self.decoder_shape, self.lora_rank, self.lora_targets) if self.lora_rank else 0
+
+    @property
+    def trainable_params(self) -> float:
+        """What the optimizer updates, and what a move's shards carry: the adapter, or every weight."""
+        return float(self.adapter_params) if self.lora_rank else self.num_params
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -128,28 +162,39 @@ class ModelPreset:
 
     @property
     def train_state_bytes(self) -> float:
-        # What the trainer holds: fp32 master, fp32 gradients, two fp32 moments (costmodel.memory).
-        return memory.train_state_bytes(self.num_params)
+        """What a checkpoint holds: fp32 master, fp32 gradients, two fp32 moments (costmodel.memory)
+        of the trainable parameters (with LoRA, the adapter's only)."""
+        return memory.train_state_bytes(self.trainable_params)
+
+    @property
+    def trainer_held_bytes(self) -> float:
+        """All trainers' device bytes of state: the trainable state, plus with LoRA the frozen base
+        (fp32, `FROZEN_BASE_BYTES_PER_PARAM`), which is also the reference model."""
+        extra = FROZEN_BASE_BYTES_PER_PARAM * self.num_params if self.lora_rank else 0.0
+        return self.train_state_bytes + extra
 
 
 def _preset_7b() -> ModelPreset:
     # Qwen2.5-7B: 7.62e9 params, 28 layers, hidden 3584, 4 KV heads (5: Qwen2.5-7B, 7.62e9 parameters).
+    # Attention 28 heads, MLP 18944 (its config.json, as Qwen2-7B's; used by a LoRA adapter's size).
     return ModelPreset(name="7b", num_params=7.62e9, num_layers=28, hidden_size=3584, num_kv_heads=4,
-                       rollout_tp=1, train_comm_s=1.0, engine_wake_s=0.5, kv_alloc_s=0.3,
+                       num_heads=28, intermediate_size=18944, rollout_tp=1, train_comm_s=1.0, engine_wake_s=0.5, kv_alloc_s=0.3,
                        engine_release_s=0.5, engine_cold_start_s=40.0)
 
 
 def _preset_32b() -> ModelPreset:
     # Qwen2.5-32B: 32.8e9 params, 64 layers, hidden 5120, 8 KV heads; rollout TP2 (5).
+    # Attention 40 heads, MLP 27648 (its config.json).
     return ModelPreset(name="32b", num_params=32.8e9, num_layers=64, hidden_size=5120, num_kv_heads=8,
-                       rollout_tp=2, train_comm_s=3.0, engine_wake_s=1.0, kv_alloc_s=0.5,
+                       num_heads=40, intermediate_size=27648, rollout_tp=2, train_comm_s=3.0, engine_wake_s=1.0, kv_alloc_s=0.5,
                        engine_release_s=1.0, engine_cold_start_s=90.0)
 
 
 def _preset_70b() -> ModelPreset:
     # Llama-3.1-70B-class: 70.6e9 params, 80 layers, hidden 8192, 8 KV heads; rollout TP4 (5).
+    # Attention 64 heads, MLP 28672 (Llama-3.1-70B's config.json).
     return ModelPreset(name="70b", num_params=70.6e9, num_layers=80, hidden_size=8192, num_kv_heads=8,
-                       rollout_tp=4, train_comm_s=6.0, engine_wake_s=2.0, kv_alloc_s=1.0,
+                       num_heads=64, intermediate_size=28672, rollout_tp=4, train_comm_s=6.0, engine_wake_s=2.0, kv_alloc_s=1.0,
                        engine_release_s=2.0, engine_cold_start_s=200.0)
 
 
@@ -161,7 +206,7 @@ def _preset_qwen3_8b() -> ModelPreset:
     # model card says 8.2B (6.95B without embeddings). Rollout TP1: verl's Qwen3-8B DAPO recipe runs
     # gen_tp=1 (recipe/dapo/test_dapo_8b_megatron_fp16.sh). Engine and communication times as the 7b's [A].
     return ModelPreset(name="qwen3-8b", num_params=8.19e9, num_layers=36, hidden_size=4096, num_kv_heads=8,
-                       head_dim=128, num_heads=32, vocab_size=151936, rollout_tp=1, train_comm_s=1.0,
+                       head_dim=128, num_heads=32, vocab_size=151936, intermediate_size=12288, rollout_tp=1, train_comm_s=1.0,
                        engine_wake_s=0.5, kv_alloc_s=0.3, engine_release_s=0.5, engine_cold_start_s=40.0)
 
 
@@ -204,8 +249,11 @@ def rollout_constants(model: ModelPreset, hw: Hardware = Hardware()) -> RolloutC
 
 def train_flops(model: ModelPreset, seq_tokens_sum: float, seq_tokens_sq_sum: float) -> float:
     """FLOPs of one training stage: 6N per token plus causal attention (3 * layers * hidden * T^2
-    per sequence of T tokens), plus the forward-only old-log-prob pass."""
-    dense = 6.0 * model.num_params * seq_tokens_sum
+    per sequence of T tokens), plus the forward-only old-log-prob pass. With LoRA the frozen
+    base skips its weight gradients (2N of the 6N: forward 2N and the input gradients 2N stay)
+    and the adapter adds its own 6 per parameter [D]."""
+    per_token = (4.0 * model.num_params + 6.0 * model.adapter_params) if model.lora_rank else 6.0 * model.num_params
+    dense = per_token * seq_tokens_sum
     attn = 3.0 * model.num_layers * model.hidden_size * seq_tokens_sq_sum
     return (dense + attn) * (1.0 + model.old_logprob_frac)
 
@@ -217,8 +265,11 @@ def train_device_s(model: ModelPreset, seq_tokens_sum: float, seq_tokens_sq_sum:
 
 
 def min_train_devices(model: ModelPreset, hw: Hardware = Hardware()) -> int:
-    """Memory floor: the sharded training state must fit in ~70% of HBM (activations need the rest)."""
-    return memory.min_train_devices_for(model.num_params, hw.hbm_bytes)
+    """Memory floor: the sharded training state must fit in ~70% of HBM (activations need the rest);
+    with LoRA that state is the frozen fp32 base and the adapter's (`trainer_held_bytes`)."""
+    if not model.lora_rank:
+        return memory.min_train_devices_for(model.num_params, hw.hbm_bytes)
+    return max(1, math.ceil(model.trainer_held_bytes / memory.train_state_budget_bytes(hw.hbm_bytes)))
 
 
 def delta_bytes(num_params: float, changed_fraction: float, elem_bytes: float = 2.0) -> float:
@@ -232,7 +283,11 @@ def delta_bytes(num_params: float, changed_fraction: float, elem_bytes: float = 
 
 def sync_bytes(model: ModelPreset, *, full: bool = False) -> float:
     """Bytes one rollout replica receives in a weight sync: the bf16 weights, or with delta sync
-    a step's changed values (`full`: a joining engine's, always the whole weights)."""
+    a step's changed values (`full`: a joining engine's, always the whole weights). With LoRA
+    the whole adapter in bf16, a joining engine's too: its base is the model folder's, resident
+    since the engine first loaded it, and never changes."""
+    if model.lora_rank:
+        return lora_math.sync_bytes(model.adapter_params)
     if full or model.weight_sync != "delta":
         return model.weight_bytes
     return delta_bytes(model.num_params, model.sync_changed_fraction)
@@ -243,11 +298,40 @@ def sync_s(model: ModelPreset, *, full: bool = False) -> float:
     return model.sync_alpha_s + sync_bytes(model, full=full) / model.rollout_tp / model.sync_bw
 
 
+def with_lora(model: ModelPreset, rank: int, target_modules: tuple[str, ...] = (lora_math.ALL_LINEAR,), *,
+              field: str = "lora_") -> ModelPreset:
+    """`model` training a rank-`rank` LoRA adapter on `target_modules` (rank 0: full training).
+    With LoRA a sync sends the whole adapter: a model syncing deltas is refused."""
+    from dataclasses import replace
+
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ConfigError([f"{field}rank={rank!r}: must be an integer >= 1 (0: full training)"])
+    if not rank:
+        return replace(model, lora_rank=0)
+    try:
+        lora_math.check_targets(tuple(target_modules))
+    except ValueError as exc:
+        raise ConfigError([f"{field}{exc}"]) from None
+    if model.weight_sync == "delta":
+        raise ConfigError(["weight_sync='delta': a LoRA job's weight sync sends the whole adapter (full)"])
+    out = replace(model, lora_rank=rank, lora_targets=tuple(target_modules))
+    out.adapter_params  # a preset without the shape a LoRA adapter needs: ConfigError now
+    return out
+
+
+def lora_of(model: ModelPreset, cfg) -> ModelPreset:
+    """`model` with run config `cfg`'s `train.lora` (read duck-typed; None: as it is)."""
+    spec = getattr(getattr(cfg, "train", None), "lora", None)
+    return model if spec is None else with_lora(model, int(spec.rank), tuple(spec.target_modules), field="train.lora.")
+
+
 def sync_mode_of(cfg) -> str:
     """`rollout.weight_sync` of run config `cfg` (read duck-typed) as a CPU run resolves it:
     `auto` is delta where the engine's dtype is bf16 (`rollout.dtype`, or `train.dtype` under
-    auto), as roles/delta_sync.py `resolve_mode` does."""
+    auto), as roles/delta_sync.py `resolve_mode` does; with `train.lora`, full (the adapter whole)."""
     mode, r = cfg.rollout.weight_sync, cfg.rollout.dtype
+    if getattr(cfg.train, "lora", None) is not None:
+        return "full"
     if mode != "auto":
         return mode
     return "delta" if r == "bf16" or (r == "auto" and cfg.train.dtype == "bf16") else "full"
@@ -255,11 +339,13 @@ def sync_mode_of(cfg) -> str:
 
 def with_sync(model: ModelPreset, mode: str, changed_fraction: float | None = None) -> ModelPreset:
     """`model` syncing weights in `mode` (full | delta) at `changed_fraction` (None: the
-    preset's, `DEFAULT_CHANGED_FRACTION` unless set)."""
+    preset's, `DEFAULT_CHANGED_FRACTION` unless set). A LoRA job's sync is the adapter whole."""
     from dataclasses import replace
 
     if mode not in ("full", "delta"):
         raise ConfigError([f"weight_sync={mode!r}: must be full or delta"])
+    if mode == "delta" and model.lora_rank:
+        raise ConfigError(["weight_sync='delta': a LoRA job's weight sync sends the whole adapter (full)"])
     f = model.sync_changed_fraction if changed_fraction is None else float(changed_fraction)
     if not 0.0 <= f <= 1.0:
         raise ConfigError([f"changed_fraction={changed_fraction}: must be in [0, 1]"])
@@ -268,10 +354,11 @@ def with_sync(model: ModelPreset, mode: str, changed_fraction: float | None = No
 
 def publish_s(model: ModelPreset, num_train: int, hw: Hardware = Hardware()) -> float:
     """Streaming pipeline, trainer side of a weight sync: the control-plane pause (alpha, 3.2)
-    plus each trainer copying its bf16 shard (weights / n) to the host staging buffer over PCIe
-    D2H (53 GB/s measured, 5). Rollout replicas then pull the version when they need it, each
-    paying `sync_s` (checkpoint-engine style, 3.2); the trainers do not wait for them."""
-    return model.sync_alpha_s + model.weight_bytes / max(num_train, 1) / hw.pcie_d2h_bw
+    plus each trainer copying its bf16 shard (weights / n; with LoRA the adapter's) to the host
+    staging buffer over PCIe D2H (53 GB/s measured, 5). Rollout replicas then pull the version
+    when they need it, each paying `sync_s` (checkpoint-engine style, 3.2); the trainers do not
+    wait for them."""
+    return model.sync_alpha_s + sync_bytes(model, full=True) / max(num_train, 1) / hw.pcie_d2h_bw
 
 
 # ------------------------------------------------------------------------- resize op costs
@@ -289,13 +376,24 @@ MIGRATE_S = 0.05
 FREE_TRAIN_MEMORY_S = 0.1  # [A]
 
 
+def base_read_s(model: ModelPreset, num_train: int, hw: Hardware) -> float:
+    """LoRA: a trainer at training size `num_train` reading its rows of the base from the model
+    folder (bf16) into device memory. The folder is taken to be in the host's page cache after
+    its first read [A] (a 7B folder is 15 GB), so the read runs at the PCIe H2D rate (5 [V])."""
+    return BASE_FOLDER_BYTES_PER_PARAM * model.num_params / max(num_train, 1) / hw.pcie_h2d_bw
+
+
 def _shard_cost(state: str, layout: str):
-    """A transfer of a shard of `state` (fp32 master weights or Adam m and v): it leaves from
-    the old layout's share (moving out) or lands in the new one's (joining), on the NIC."""
+    """A transfer of a shard of `state` (fp32 master weights or Adam m and v) of the trainable
+    parameters (with LoRA, the adapter's): it leaves from the old layout's share (moving out) or
+    lands in the new one's (joining), on the NIC. With LoRA the parameter op also waits for the
+    trainers of the new layout to read their rows of the base from the model folder (seconds,
+    not bytes moved: the base never crosses the network)."""
     def cost(model: ModelPreset, n_old: int, n_new: int, hw: Hardware) -> tuple[float, float]:
-        total = (4.0 if state == "master" else 8.0) * model.num_params
+        total = (4.0 if state == "master" else 8.0) * model.trainable_params
         b = total / (n_old if layout == "old" else n_new)
-        return b / hw.nic_bw, b
+        base = base_read_s(model, n_new, hw) if model.lora_rank and state == "master" else 0.0
+        return b / hw.nic_bw + base, b
     return cost
 
 
@@ -354,12 +452,14 @@ def naive_resize_cost(model: ModelPreset, num_devices: int, hw: Hardware = Hardw
     """What elastic training does today: checkpoint, tear down, new world, reload, cold engines.
 
     Storage bandwidth per node is an assumption [A]; world creation 0.3 + 0.01 * N s (7.3 table,
-    3.1); engine cold start (3.3). Everything is on the critical path.
+    3.1); engine cold start (3.3). Everything is on the critical path. With LoRA the checkpoint
+    is the adapter's state, and the new trainers also read the base (bf16) from the model folder.
     """
     nodes = max(1, math.ceil(num_devices / hw.devices_per_node))
     ckpt_bytes = model.train_state_bytes
     save_s = ckpt_bytes / (nodes * storage_bw_per_node)
-    load_s = save_s
+    base = BASE_FOLDER_BYTES_PER_PARAM * model.num_params if model.lora_rank else 0.0
+    load_s = (ckpt_bytes + base) / (nodes * storage_bw_per_node)
     world_s = 0.3 + 0.01 * num_devices
     return ResizeCost(critical_s=save_s + world_s + load_s + model.engine_cold_start_s,
-                      background_s=0.0, bytes_moved=2 * ckpt_bytes)
+                      background_s=0.0, bytes_moved=2 * ckpt_bytes + base)

@@ -18,7 +18,8 @@ from typing import Callable
 import numpy as np
 
 from dynaresize.config import PolicyConfig
-from dynaresize.costmodel.costs import Hardware, ModelPreset, get_hardware, get_model, min_train_devices, with_sync
+from dynaresize.costmodel.costs import (Hardware, ModelPreset, get_hardware, get_model, min_train_devices, with_lora,
+                                        with_sync)
 from dynaresize.costmodel.stages import Batch, StageModel
 from dynaresize.errors import ConfigError
 from dynaresize.types import Bounds
@@ -72,11 +73,13 @@ class Scenario:
 def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model: str = "7b", seed: int = 0,
                       prompts_per_step: int | None = None, horizon_steps: int | None = None,
                       accelerator: str = "h100", weight_sync: str = "full",
-                      changed_fraction: float | None = None) -> Scenario:
+                      changed_fraction: float | None = None, lora_rank: int = 0,
+                      lora_targets: tuple[str, ...] = ("all-linear",)) -> Scenario:
     """The named workload's job on `num_devices` (`prompts_per_step` x 16 samples; by default the
     workload's own batch where it names one, else 2 prompts per device), its time constants over
     `horizon_steps` (None: the workload's own), on `accelerator` (a `HARDWARE_PRESETS` name),
-    syncing weights in `weight_sync` mode at `changed_fraction` (`costs.with_sync`)."""
+    syncing weights in `weight_sync` mode at `changed_fraction` (`costs.with_sync`), training a
+    rank-`lora_rank` LoRA adapter on `lora_targets` (0: every weight; `costs.with_lora`)."""
     spec = get_workload(workload)  # an unknown name is a ConfigError before anything runs
     _check(num_devices, num_steps)
     prompts = prompts_per_step or spec.prompts_per_step or PROMPTS_PER_DEVICE * num_devices
@@ -86,20 +89,26 @@ def workload_scenario(workload: str, *, num_devices: int, num_steps: int, model:
                               horizon_steps=horizon_steps)
 
     return Scenario(name=workload, num_devices=num_devices, num_steps=num_steps,
-                    model=with_sync(get_model(model), weight_sync, changed_fraction), seed=seed,
+                    model=_model(model, weight_sync, changed_fraction, lora_rank, lora_targets), seed=seed,
                     prompts_per_step=prompts, batch_of=batch_of, hardware=get_hardware(accelerator))
 
 
 def trace_scenario(batches: list[Batch], name: str, *, num_devices: int, num_steps: int | None, model: str = "7b",
                    seed: int = 0, accelerator: str = "h100", weight_sync: str = "full",
-                   changed_fraction: float | None = None) -> Scenario:
+                   changed_fraction: float | None = None, lora_rank: int = 0,
+                   lora_targets: tuple[str, ...] = ("all-linear",)) -> Scenario:
     steps = len(batches) if num_steps is None else min(num_steps, len(batches))
     _check(num_devices, steps)
     mean_samples = int(round(np.mean([b.num_samples for b in batches[:steps]])))
     return Scenario(name=name, num_devices=num_devices, num_steps=steps,
-                    model=with_sync(get_model(model), weight_sync, changed_fraction), seed=seed,
+                    model=_model(model, weight_sync, changed_fraction, lora_rank, lora_targets), seed=seed,
                     prompts_per_step=max(mean_samples, 1), samples_per_prompt=1, batch_of=lambda b: batches[b],
                     trace_samples=sum(b.num_samples for b in batches[:steps]), hardware=get_hardware(accelerator))
+
+
+def _model(name: str, weight_sync: str, changed_fraction: float | None, lora_rank: int,
+           lora_targets: tuple[str, ...]) -> ModelPreset:
+    return with_lora(with_sync(get_model(name), weight_sync, changed_fraction), lora_rank, lora_targets)
 
 
 def _check(num_devices: int, num_steps: int) -> None:

@@ -30,7 +30,7 @@ def check_config(cfg: Any) -> list[tuple[str, Any, str]]:
         out.append(("cluster.time_scale", c.time_scale, "must be > 0 (emulated seconds per wall second)"))
     if c.devices < 2 or not 0 < c.rollout_devices < c.devices:
         return out  # ClusterConfig names those
-    b = emulated_bounds(target, cfg.policy, c.devices)
+    b = emulated_bounds(target, cfg.policy, c.devices, cfg)
     if not b.splits():
         out.append(("cluster.devices", c.devices,
                     f"too few for {target.spec}: rollout needs >= {b.min_rollout} devices and training "

@@ -20,7 +20,9 @@ runtime share one cost model and can be checked against each other (`dynaresize 
   old-log-prob pass, over the training devices, plus the fixed exposed time);
 - weight sync: `costmodel.costs.sync_s` (alpha + model bytes / bandwidth; with delta sync the
   bytes of a step's changed values at the change fraction the run measures, `sync_changed`);
-- each resize op by name (cluster/resize_ops.py HANDLERS): `costmodel.costs.op_cost`.
+- each resize op by name (cluster/resize_ops.py HANDLERS): `costmodel.costs.op_cost`;
+- with `train.lora`, the emulated model trains the same adapter (`costs.lora_of`): its moves'
+  shards, its syncs and its training FLOPs are the LoRA job's.
 Bounds follow the simulator's rule (`Scenario.bounds`): a rollout replica is the move unit and
 the training state's memory floor is the least number of training devices.
 
@@ -35,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from dynaresize.costmodel.costs import HARDWARE_PRESETS, MODEL_PRESETS, get_hardware, get_model, op_cost, sync_mode_of
+from dynaresize.costmodel.costs import (HARDWARE_PRESETS, MODEL_PRESETS, get_hardware, get_model, lora_of, op_cost,
+                                        sync_mode_of)
 from dynaresize.costmodel.costs import sync_s as costs_sync_s
 from dynaresize.costmodel.costs import with_sync
 from dynaresize.costmodel.stages import Batch, StageModel
@@ -80,14 +83,15 @@ def time_scale_of(cluster: Any) -> float:
     return float(cluster.time_scale) if cluster.time_scale is not None else DEFAULT_TIME_SCALE
 
 
-def emulated_bounds(target: Target, policy: Any, num_devices: int) -> Bounds:
+def emulated_bounds(target: Target, policy: Any, num_devices: int, cfg: Any = None) -> Bounds:
     """The simulator's bounds (`costmodel.scenarios.Scenario.bounds`) under the user's policy limits:
     a rollout replica (tp devices) is the least rollout pool and the move unit, the
-    training state's memory floor the least training pool, and `policy.allowed_rollout` (when
-    set) the only splits."""
+    training state's memory floor (of run config `cfg`'s LoRA adapter, when it has one) the least
+    training pool, and `policy.allowed_rollout` (when set) the only splits."""
     from dynaresize.costmodel.costs import min_train_devices
 
     model, hw = get_model(target.model), get_hardware(target.accelerator)
+    model = model if cfg is None else lora_of(model, cfg)
     return replica_bounds(model.rollout_tp, policy, num_devices,
                           min_train=max(policy.min_train, min_train_devices(model, hw)))
 
@@ -115,7 +119,7 @@ def run_bounds(cfg: Any) -> Bounds:
             raise ConfigError([f"rollout.tensor_parallel={k}: emulated runs pace TP1 engines as the emulated "
                                f"model's replicas ({target.model}: TP{tp}, moved {tp} devices at a time); "
                                "set 1 with cluster.emulate"])
-        return emulated_bounds(target, p, c.devices)
+        return emulated_bounds(target, p, c.devices, cfg)
     return replica_bounds(k, p, c.devices, min_train=p.min_train)
 
 
@@ -144,6 +148,8 @@ class Emulator:
         em = cls(parse(cfg.cluster.emulate), workload=rc.length_workload, prompts_per_step=rc.prompts_per_step,
                  samples_per_prompt=rc.samples_per_prompt, seed=cfg.seed, num_steps=cfg.steps,
                  horizon_steps=rc.length_horizon_steps)
+        em.model = lora_of(em.model, cfg)
+        em.stages = StageModel(em.model, em.batch, em.hw, batch_cache=8)
         em.sync_changed(sync_mode_of(cfg), None)
         return em
 

@@ -112,8 +112,9 @@ class LendOutcome:
 
 def lend_switch_s(model: ModelPreset, num_train: int, hw: Hardware = Hardware()) -> tuple[float, float]:
     """(in, out) seconds of a trainer turning into a rollout replica and back: offload / reload its
-    share of the training state over PCIe (docs/references.md 5) and wake / release an engine (3.3)."""
-    share = model.train_state_bytes / max(num_train, 1)
+    share of the training state over PCIe (docs/references.md 5) and wake / release an engine (3.3).
+    With LoRA the share is the frozen base's and the adapter's (`ModelPreset.trainer_held_bytes`)."""
+    share = model.trainer_held_bytes / max(num_train, 1)
     switch_in = share / hw.pcie_d2h_bw + model.engine_wake_s + model.kv_alloc_s
     switch_out = model.engine_release_s + share / hw.pcie_h2d_bw
     return switch_in, switch_out
