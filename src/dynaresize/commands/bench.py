@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", metavar="DIR", default=None, help="output directory")
     r.add_argument("--set", action="append", default=[], metavar="K=V",
                    help="override one run-config field, e.g. --set rollout.engine=vllm (repeatable)")
+    r.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                   help="then move a device each way in a job training a rank-R LoRA adapter (train.lora), "
+                        "beside the full-training moves: critical path and bytes per move (default 0: none)")
     r.set_defaults(func=main)
 
     o = actions.add_parser("rollout", help="the runtime's rollout path against one vLLM engine's own generate")

@@ -18,6 +18,13 @@ Outputs in DIR (written by commands/bench_resize_report.py): `summary.json` (key
 and `op` records, naive phases as ops with `path: naive`), `resize_timeline.png` (op timeline
 of one optimized resize per direction and one naive resize, critical ops in red).
 
+With `--lora-rank R` the same run then starts a second cluster training a LoRA adapter of rank
+R on all-linear (`train.lora`) and moves a device back and forth at the primary bound
+(`--repeats` round trips after a warm-up, optimized path only): `summary.json`'s `lora` block
+and the table set its critical path and bytes per move beside the full-training moves'
+(`bench_resize_report.lora_summary`), with the adapter's size from `costmodel.lora` beside the
+trainers' own count. Its records go to `records-lora.jsonl`.
+
 Checks made here, not assumed: the trainer state (parameters, both moments, step) read back
 from a checkpoint after every move equals the one before the first move (`state_preserved`),
 and every op's staging peak stays within its bound.
@@ -39,7 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dynaresize.commands.bench_resize_report import KIB, MIB, fmt_bytes, format_table, plot_timeline, summarize
+from dynaresize.commands.bench_resize_report import (KIB, MIB, fmt_bytes, format_lora, format_table, lora_summary,
+                                                     plot_timeline, summarize)
 from dynaresize.errors import UserError
 
 SWEEP_BYTES = (64 * KIB, 16 * MIB)  # then the primary (configured default) bound
@@ -66,13 +74,15 @@ def qwen2_num_params(model: dict) -> int:
     return 2 * vocab * h + layers * (16 * h * h + 5 * h) + h
 
 
-def _config(devices: int, model: dict, staging_bytes: int | None, overrides: list[str] = ()):
+def _config(devices: int, model: dict, staging_bytes: int | None, overrides: list[str] = (), lora_rank: int = 0):
     from dynaresize.config_load import apply_overrides, build_config, merge
 
     # Start with fewer rollout than training devices, so training keeps >= 2 devices at 4+.
     data: dict = {"cluster": {"devices": devices, "rollout_devices": max(1, (devices - 1) // 2)}, "model": model}
     if staging_bytes is not None:
         data["reshard"] = {"staging_bytes": int(staging_bytes)}
+    if lora_rank:
+        data["train"] = {"lora": {"rank": int(lora_rank)}}
     cfg = build_config(merge(data, apply_overrides({}, list(overrides))))
     if cfg.rollout.tensor_parallel != 1:  # the bench moves one device at a time
         from dynaresize.errors import ConfigError
@@ -111,11 +121,11 @@ def _same_state(a: dict, b: dict) -> bool:
 class _Bench:
     """The run's state: cluster, counters, measured resizes (see the module docstring)."""
 
-    def __init__(self, devices: int, model: dict, out: Path) -> None:
+    def __init__(self, devices: int, model: dict, out: Path, records: str = "records.jsonl") -> None:
         from dynaresize.records import Recorder
 
         self.devices, self.model, self.out = devices, model, out
-        self.recorder = Recorder(out / "records.jsonl")
+        self.recorder = Recorder(out / records)
         self.t0 = time.time()
         self.resizes: list[dict] = []
         self.naive: list[Any] = []
@@ -196,8 +206,46 @@ def _warm_reload(cluster, directory: Path, step: int) -> dict:
     return {"reload_and_engines_s": t1 - t0, "load_weights_s": time.time() - t1}
 
 
+def run_lora(*, devices: int, model: dict, repeats: int, out: Path, staging_bytes: int, rank: int,
+             overrides: list[str] = ()) -> dict:
+    """The LoRA segment (module docstring): a fresh cluster training a rank-`rank` adapter, one
+    training step, then a warm-up round trip and `repeats` measured ones at `staging_bytes`.
+    Returns what `lora_summary` reads: the resizes, the trainers' adapter size (checkpoint
+    manifest) and whether the adapter state read back after the moves equals the one before."""
+    from dynaresize.cluster.cluster import Cluster
+    from dynaresize.roles.checkpoint import read_manifest
+    from dynaresize.types import Assignment
+
+    cfg = _config(devices, model, staging_bytes, overrides, lora_rank=rank)
+    bench = _Bench(devices, model, out, records="records-lora.jsonl")
+    r0 = cfg.cluster.rollout_devices
+    print(f"bench resize, LoRA rank {rank} ({','.join(cfg.train.lora.target_modules)}): starting workers...", flush=True)
+    cluster = Cluster(cfg)
+    ref_dir, end_dir = out / "lora-state-before", out / "lora-state-after"
+    try:
+        cluster.start(Assignment.split(devices, r0))
+        _train_once(cluster, cfg)
+        cluster.save_checkpoint(str(ref_dir))
+        numel = int(read_manifest(ref_dir)["numel"])
+        for trip in range(repeats + 1):
+            for target in (r0 + 1, r0):
+                r = bench.optimized(cluster, target, numel, warmup=trip == 0)
+                print(f"  {'(warm-up)' if trip == 0 else 'LoRA     '} {r['direction']:15s}: critical {r['critical_s']:.3f} s, "
+                      f"total {r['total_s']:.3f} s, {fmt_bytes(sum(op.get('bytes', 0) for op in r['ops']))} moved",
+                      flush=True)
+        cluster.save_checkpoint(str(end_dir))
+        preserved = _same_state(_read_state(ref_dir, numel), _read_state(end_dir, numel))
+    finally:
+        cluster.stop()
+        bench.recorder.close()
+        for d in (ref_dir, end_dir):
+            shutil.rmtree(d, ignore_errors=True)
+    return {"rank": rank, "target_modules": list(cfg.train.lora.target_modules), "numel": numel,
+            "resizes": bench.resizes, "state_preserved": preserved}
+
+
 def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bounds: tuple[int, ...] | None = None,
-              naive_moves: int | None = None, overrides: list[str] = ()) -> dict:
+              naive_moves: int | None = None, overrides: list[str] = (), lora_rank: int = 0) -> dict:
     """Run the benchmark (module docstring); returns the summary (also written to out)."""
     from dynaresize.cluster.cluster import Cluster
     from dynaresize.config import ReshardConfig
@@ -208,6 +256,8 @@ def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bound
         raise UserError(f"--devices: need at least 3 (a move each way keeps a device in each pool), got {devices}")
     if repeats < 1:
         raise UserError(f"--repeats: must be >= 1, got {repeats}")
+    if lora_rank < 0:
+        raise UserError(f"--lora-rank: must be >= 1 (0: no LoRA segment), got {lora_rank}")
     primary = ReshardConfig().staging_bytes
     bounds = tuple(bounds) if bounds else SWEEP_BYTES + (primary,)
     primary = bounds[-1]
@@ -264,12 +314,18 @@ def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bound
         for d in (ref_dir, end_dir):
             shutil.rmtree(d, ignore_errors=True)
     summary = summarize(bench, numel, bounds, primary, start_s, warm, preserved, repeats)
+    if lora_rank:
+        seg = run_lora(devices=devices, model=model, repeats=repeats, out=out, staging_bytes=primary, rank=lora_rank,
+                       overrides=overrides)
+        summary["lora"] = lora_summary(seg, summary, primary)
     from dynaresize.roles.base import resolve_engine
 
     summary["rollout_engine"] = resolve_engine(cfgs[0])
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_timeline(bench, out / "resize_timeline.png", primary)
     print(format_table(summary), flush=True)
+    if lora_rank:
+        print(format_lora(summary), flush=True)
     return summary
 
 
@@ -282,8 +338,9 @@ def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     summary = run_bench(devices=int(args.devices), num_params=float(args.params), repeats=int(args.repeats), out=out,
                         bounds=getattr(args, "staging_bounds", None), naive_moves=getattr(args, "naive_moves", None),
-                        overrides=list(getattr(args, "set", None) or []))
+                        overrides=list(getattr(args, "set", None) or []), lora_rank=int(getattr(args, "lora_rank", 0) or 0))
     ok = (summary["state_preserved"] and summary["optimized"]["groups_created_critical"] == 0
-          and all(b["within_bound"] for b in summary["bounds"]))
+          and all(b["within_bound"] for b in summary["bounds"])
+          and summary.get("lora", {}).get("state_preserved", True))
     print(f"wrote {out / 'summary.json'} and {out / 'resize_timeline.png'}", flush=True)
     return 0 if ok else 1

@@ -96,6 +96,8 @@ def summarize(bench: Any, numel: int, bounds, primary: int, start_s: float, warm
 
 
 def fmt_bytes(n: float) -> str:
+    if n != n:  # nan: nothing measured
+        return "-"
     for unit, size in (("MiB", MIB), ("KiB", KIB)):
         if n >= size:
             return f"{n / size:.4g} {unit}"
@@ -153,3 +155,67 @@ def plot_timeline(bench: Any, path: Path, primary: int) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ------------------------------------------------------------------ LoRA beside full training
+
+def bench_adapter_params(model: dict, rank: int, target_modules: tuple[str, ...]) -> int:
+    """The adapter's parameters for the bench's built-in Qwen2 (`costmodel.lora`: MLP 4 x hidden,
+    head dim hidden / heads)."""
+    from dynaresize.costmodel import lora
+
+    h, heads = model["hidden_size"], model["num_heads"]
+    shape = lora.DecoderShape(num_layers=model["num_layers"], hidden_size=h, num_heads=heads,
+                              num_kv_heads=model["num_kv_heads"], head_dim=h // heads, intermediate_size=4 * h)
+    return lora.adapter_params(shape, rank, target_modules)
+
+
+def _move_bytes(r: dict) -> int:
+    """Bytes a resize moved: what every device of its ops received (the reshard's wire bytes)."""
+    return int(sum(op.get("bytes", 0) for op in r["ops"]))
+
+
+def _per_direction(resizes: list[dict]) -> dict[str, dict]:
+    return {d: {"critical_s_median": median_or_nan([r["critical_s"] for r in rs]),
+                "total_s_median": median_or_nan([r["total_s"] for r in rs]),
+                "bytes_median": median_or_nan([_move_bytes(r) for r in rs]), "num_resizes": len(rs),
+                "critical_ops_s": _op_medians(rs, True)}
+            for d, rs in sorted(_by(resizes, "direction").items())}
+
+
+def lora_summary(seg: dict, full: dict, primary: int) -> dict:
+    """The summary's `lora` block: the LoRA segment's moves (commands/bench_resize.py `run_lora`)
+    per direction beside the full-training moves at the same staging bound, with the adapter's
+    size as the trainers count it and as `costmodel.lora` computes it."""
+    full_moves = [r for r in full["resizes"] if r["path"] == "optimized" and not r["warmup"]
+                  and r["staging_bytes"] == primary]
+    lora_moves = [r for r in seg["resizes"] if not r["warmup"]]
+    mine, theirs = _per_direction(lora_moves), _per_direction(full_moves)
+    arith = bench_adapter_params(full["model"], seg["rank"], tuple(seg["target_modules"]))
+    return {
+        "rank": seg["rank"], "target_modules": seg["target_modules"], "staging_bound_bytes": primary,
+        "adapter_params": seg["numel"], "adapter_params_arithmetic": arith, "num_params": full["num_params"],
+        "by_direction": {d: {**v, "full_critical_s_median": theirs.get(d, {}).get("critical_s_median", float("nan")),
+                             "full_total_s_median": theirs.get(d, {}).get("total_s_median", float("nan")),
+                             "full_bytes_median": theirs.get(d, {}).get("bytes_median", float("nan"))}
+                         for d, v in mine.items()},
+        "warmup_critical_s": [r["critical_s"] for r in seg["resizes"] if r["warmup"]],
+        "state_preserved": seg["state_preserved"],
+        "resizes": seg["resizes"],
+    }
+
+
+def format_lora(s: dict) -> str:
+    b = s["lora"]
+    lines = [f"\nLoRA rank {b['rank']} ({','.join(b['target_modules'])}) beside full training, staging bound "
+             f"{fmt_bytes(b['staging_bound_bytes'])}: adapter {b['adapter_params'] / 1e6:.3f}M params "
+             f"(costmodel.lora: {b['adapter_params_arithmetic'] / 1e6:.3f}M) of {b['num_params'] / 1e6:.2f}M",
+             f"{'direction':16s} {'critical s LoRA / full':>24s} {'total s LoRA / full':>22s} {'bytes/move LoRA / full':>26s}"]
+    for d, v in b["by_direction"].items():
+        lines.append(f"{d:16s} {v['critical_s_median']:11.3f} / {v['full_critical_s_median']:<10.3f} "
+                     f"{v['total_s_median']:9.3f} / {v['full_total_s_median']:<10.3f} "
+                     f"{fmt_bytes(v['bytes_median']):>12s} / {fmt_bytes(v['full_bytes_median']):<12s}")
+    for d, v in b["by_direction"].items():
+        lines.append(f"LoRA {d} critical ops (median s): " + ", ".join(f"{k} {x:.3f}" for k, x in v["critical_ops_s"].items()))
+    lines.append(f"adapter state preserved across the LoRA moves: {b['state_preserved']}")
+    return "\n".join(lines)
