@@ -36,7 +36,8 @@ def rollout_engine_from_config(cfg: Any, tp: TPPlacement | None = None, **kwargs
                        kv_cache_bytes=r.vllm_kv_cache_bytes, seed=cfg.seed,
                        prefix_caching=not cfg.deterministic, cuda_graphs=not cfg.deterministic,
                        dtype=base.engine_dtype(cfg),
-                       gpu_memory_utilization=r.gpu_memory_utilization)
+                       gpu_memory_utilization=r.gpu_memory_utilization,
+                       lora=cfg.train.lora)  # LoRA: sent adapters, merged into the base (roles/vllm_lora.py)
         return VLLMRolloutEngine(cfg.model, r.temperature, **{**options, **kwargs}, tp=tp)
     from dynaresize.roles.rollout_hf import HFRolloutEngine
 

@@ -29,7 +29,8 @@ is sent the whole state dict, vLLM keeps its slice: a load moves k x one copy's 
 
 One engine per process. Helpers: process state vLLM changes (`vllm_process`), its world kept apart
 (`vllm_world`), weight chunks and digests (`vllm_weights`, MoE experts: `vllm_moe`), KV budget
-(`vllm_memory`), tensor parallelism (`vllm_tp`), the start's check of weight names (`engine_map`).
+(`vllm_memory`), tensor parallelism (`vllm_tp`), the start's check of weight names (`engine_map`),
+LoRA (`vllm_lora`: started from the folder's weights, sent adapters, serves the merged weights).
 """
 
 from __future__ import annotations
@@ -47,13 +48,14 @@ import torch
 
 from dynaresize.config import ModelConfig
 from dynaresize.errors import UserError
-from dynaresize.rl.models import build_tokenizer, hf_config, max_positions
+from dynaresize.rl.models import build_model, build_tokenizer, hf_config, max_positions
 from dynaresize.roles.base import GenRequest, GenResult, TPPlacement, run_to_completion, target_len, vllm_model_problem
 from dynaresize.roles.device_memory import bytes_freed_by, check_wake
 from dynaresize.roles.engine_map import check_start
+from dynaresize.roles.vllm_lora import is_adapter, load_adapter, start_lora
 from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
-from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request
+from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request, warm_up
 from dynaresize.roles.vllm_weights import _rpc_digest, _rpc_kv_cache_bytes, _rpc_weight_shapes, load_into, reset_prefix_cache
 from dynaresize.roles.vllm_tp import check_placement, fixed_request_ids, tp_creation, tp_engine_kwargs
 from dynaresize.roles.vllm_world import (destroy_vllm_world, install_safe_cleanup, internals_problem, tp_name_base,
@@ -78,13 +80,14 @@ class VLLMRolloutEngine:
         gpu_memory_utilization: CUDA: the share of the device the engine may use (checked free at start).
         tp: this engine's rank of a tensor-parallel replica (None or size 1: a whole engine).
         cuda_graphs: CUDA: capture CUDA graphs (off in deterministic mode); eager on CPU always.
+        lora: `train.lora` (rank, alpha) or None: sent adapters, serves the merged weights (vllm_lora).
     """
 
     def __init__(self, model_cfg: ModelConfig, temperature: float, *, max_num_seqs: int = 64,
                  max_model_len: int = 0, kv_cache_bytes: int = 0, dtype: str = "float32",
                  seed: int = 0, prefix_caching: bool = True, load_chunk_bytes: int = 0,
                  warmup: bool = True, gpu_memory_utilization: float = 0.85, tp: TPPlacement | None = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, lora: Any = None) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if max_num_seqs < 1:
@@ -100,20 +103,19 @@ class VLLMRolloutEngine:
         self.max_num_seqs = int(max_num_seqs)
         self.max_model_len = int(max_model_len)
         self.kv_cache_bytes = int(kv_cache_bytes)
-        self.dtype = dtype
+        self.dtype, self._dtype = dtype, (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         self.seed = int(seed)
         self.prefix_caching = bool(prefix_caching)
         self.load_chunk_bytes = int(load_chunk_bytes)
         self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.warmup, self.cuda_graphs = bool(warmup), bool(cuda_graphs)
-        self.version = -1
+        self.version, self.lora, self._lora = -1, lora, None  # _lora: vllm_lora.EngineLora once started
         self.timings: dict[str, float] = {}  # seconds of the last start / load_weights / release
         self._llm: Any = None
         self._world: Any = None
         self._tmpdir: str | None = None
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._tied = False
-        self._eos_ids: set[int] = set()
         self._parked, self._request_ids = False, itertools.count()
         self._park_bytes = 0  # what `park` freed on the device: what waking needs back
         # ours -> (request, start, vLLM's id, tokens so far, their log-probs)
@@ -171,13 +173,17 @@ class VLLMRolloutEngine:
             hf = self._llm.llm_engine.model_config.hf_config
             hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
             self._tied = bool(getattr(hf, "tie_word_embeddings", False))
-            self._eos_ids = self._find_eos_ids()
-            self._shapes = check_start(self._llm, self._shapes, state_dict, self._tied, self.model_cfg.path)  # engine_map.py
+            adapter, state_dict = is_adapter(state_dict) if self.lora else (False, state_dict)
+            if not adapter:  # an adapter's names are not the engine's: its targets are checked as it merges
+                self._shapes = check_start(self._llm, self._shapes, state_dict, self._tied, self.model_cfg.path)  # engine_map.py
+            if self.lora:
+                self._lora = start_lora(self._llm, self.lora, self._dtype, self.model_cfg, self._shapes)
             self._load(state_dict)
             self.version = int(version)
             t2 = time.perf_counter()
             if self.warmup:
-                self._warmup()
+                with preserve_process_state(env=False):
+                    warm_up(self._llm, self.temperature)
         except BaseException:
             self.release()
             raise
@@ -194,8 +200,13 @@ class VLLMRolloutEngine:
         self.timings = {"load_s": time.perf_counter() - t0}
 
     def _load(self, weights: Mapping[str, Any] | Iterable[list[tuple[str, Any]]]) -> None:
+        adapter, weights = is_adapter(weights) if self._lora else (False, weights)
         with preserve_process_state(env=False):
+            if adapter:
+                return load_adapter(self._llm, self._lora, weights)  # vllm_lora.py
             load_into(self._llm, weights, shapes=self._shapes, tied=self._tied, chunk_bytes=self.load_chunk_bytes)
+        if self._lora:
+            self._lora.applied = False  # full weights: no adapter applied
 
     def release(self) -> None:
         """Tear the engine down: model, KV cache, its process groups; `start` builds it again."""
@@ -212,7 +223,7 @@ class VLLMRolloutEngine:
                     gc.collect()
                     if self.tp:
                         fixed_request_ids(False)
-        self._parked, self._running, self._ready, self._rid = False, {}, [], {}  # running requests go with it
+        self._parked, self._running, self._ready, self._rid, self._lora = False, {}, [], {}, None  # requests go too
         self._drop_tmpdir()
         self.timings = {"release_s": time.perf_counter() - t0}
 
@@ -262,7 +273,7 @@ class VLLMRolloutEngine:
     def engine_kwargs(self) -> dict:
         """The `vllm.LLM` arguments this engine is created with."""
         kwargs: dict[str, Any] = dict(
-            load_format="dummy",  # weights come from `start`'s state dict, never from disk
+            load_format="auto" if self.lora else "dummy",  # weights: `start`'s (LoRA: the folder's base)
             dtype=self.dtype, seed=self.seed, tensor_parallel_size=1,
             max_num_seqs=self.max_num_seqs,
             enable_chunked_prefill=False,  # a prompt is always prefilled whole: no split-dependent numerics
@@ -293,27 +304,14 @@ class VLLMRolloutEngine:
         self._tmpdir = tempfile.mkdtemp(prefix="dynaresize-vllm-")
         hf_config(self.model_cfg).save_pretrained(self._tmpdir)
         build_tokenizer(self.model_cfg.vocab_size).save_pretrained(self._tmpdir)
+        if self.lora:  # the base LoRA merges into (the trainers' own initial weights)
+            build_model(self.model_cfg).save_pretrained(self._tmpdir)
         return self._tmpdir
 
     def _drop_tmpdir(self) -> None:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
-
-    def _find_eos_ids(self) -> set[int]:
-        hf = self._llm.llm_engine.model_config.hf_config
-        eos = getattr(hf, "eos_token_id", None)
-        return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-
-    def _warmup(self) -> None:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        with preserve_process_state(env=False):
-            # Two tokens with log-probs: the path every rollout takes.
-            self._llm.generate([TokensPrompt(prompt_token_ids=[0])],
-                               SamplingParams(max_tokens=2, seed=0, temperature=self.temperature, logprobs=0,
-                                              ignore_eos=True, detokenize=False), use_tqdm=False)
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -393,8 +391,9 @@ class VLLMRolloutEngine:
         can never match a trainer's."""
         if self._llm is None:
             raise RuntimeError("vLLM engine is released")
-        wanted = sorted(self._shapes if names is None else names)
-        dtype = getattr(torch, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if self._lora is not None and self._lora.applied:  # LoRA: the adapter applied (vllm_lora.py)
+            return self._lora.digest(names, self._dtype)
+        wanted, dtype = sorted(self._shapes if names is None else names), self._dtype
         with preserve_process_state(env=False):
             return self._llm.collective_rpc(_rpc_digest, args=(wanted, dtype))[0]
 

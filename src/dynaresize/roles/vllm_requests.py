@@ -57,3 +57,13 @@ def result_of(req: GenRequest, tokens: list[int], logprobs: list[float], version
 def empty_result(r: GenRequest, version: int) -> GenResult:
     """The result of a request for zero tokens (vLLM is never asked)."""
     return GenResult(sample_id=tuple(r.sample_id), response_ids=[], logprobs=[], version=version, duration_s=0.0)
+
+
+def warm_up(llm: Any, temperature: float) -> None:
+    """Two tokens with log-probs, the path every rollout takes (one-off costs fall in `start`)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=[0])],
+                 SamplingParams(max_tokens=2, seed=0, temperature=temperature, logprobs=0,
+                                ignore_eos=True, detokenize=False), use_tqdm=False)
