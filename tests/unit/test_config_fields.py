@@ -172,6 +172,7 @@ BROKEN_REWARD = Lazy(lambda: f"{_files() / 'rewards.py'}:broken_reward")
 CHECKPOINT_DIR = Lazy(lambda: str(_files() / "shared-checkpoints"))
 EVAL_BASE = {"eval": {"every_steps": 2}}  # evaluation on: the mode the other eval fields belong to
 LORA_BASE = {"train": {"lora": {"rank": 2}}}  # LoRA on: the mode the other train.lora fields belong to
+LORA_RUN = "tests/e2e/test_lora_run.py::test_moves_and_syncs_carry_the_adapter_only"
 
 
 @functools.lru_cache(maxsize=None)
@@ -380,6 +381,27 @@ def _train_steps(cfg: RunConfig, steps: int = 2) -> list:
                                           "num_micro_batches", "lr")})
     out.append(_digest(*params))
     return out
+
+
+def _lora_forward(cfg: RunConfig) -> tuple:
+    """The trainers' LoRA policy (`lora_model.wrap` of the model, in train mode) with the run's
+    step-0 adapter (`initial_adapter`) and lora_B set to a fixed non-zero value (as training
+    makes it): the adapter's wire names and shapes, and the logits of a fixed input under a
+    fixed dropout seed."""
+    from dynaresize.rl.models import build_model
+    from dynaresize.roles.lora_model import initial_adapter, trainable_specs, wire_name, wrap
+
+    specs = trainable_specs(cfg.model, cfg.train.lora)
+    start = initial_adapter(specs, cfg.seed)
+    model = wrap(build_model(cfg.model), cfg.train.lora).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if (w := wire_name(name)) is not None:
+                p.copy_(start[w] if w.endswith("lora_A") else torch.full_like(p, 0.02))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        logits = model(input_ids=torch.tensor([[5, 9, 17, 33, 2]])).logits
+    return tuple(specs), _digest(logits)
 
 
 def _loss_terms(cfg: RunConfig) -> tuple:
@@ -1081,13 +1103,19 @@ EVIDENCE: dict[str, tuple] = {
     "train.entropy_coef": (Probe(0.01, _train_steps), Refused(-0.1, "train.entropy_coef=-0.1")),
     "train.kl_penalty": (Refused("reward", "train.kl_penalty='reward': not supported"),
                          Refused("sum", "train.kl_penalty='sum': must be loss")),
-    "train.lora.rank": (Refused(0, "train.lora.rank=0: must be an integer >= 1"),
+    "train.lora.rank": (Probe(4, _lora_forward, base=LORA_BASE), Refused(0, "train.lora.rank=0: must be an integer >= 1"),
                         Refused(2, "rollout.weight_sync='delta': not with train.lora",
-                                base={"rollout": {"weight_sync": "delta"}})),
-    "train.lora.alpha": (Refused(0.0, "train.lora.alpha=0.0: must be > 0", base=LORA_BASE),),
-    "train.lora.dropout": (Refused(1.0, "train.lora.dropout=1.0: must be in [0, 1)", base=LORA_BASE),),
-    "train.lora.target_modules": (Refused(("all-linear", "q_proj"), "train.lora.target_modules='all-linear,q_proj'",
-                                          base=LORA_BASE),),
+                                base={"rollout": {"weight_sync": "delta"}}),
+                        Runtime(LORA_RUN, "with rank 4 a run with a move each way equals its static run; each "
+                                "resize's op bytes are the adapter's and its moments' (within 10%), each sync's "
+                                "wire_bytes the adapter's")),
+    "train.lora.alpha": (Probe(32.0, _lora_forward, base=LORA_BASE),
+                         Refused(0.0, "train.lora.alpha=0.0: must be > 0", base=LORA_BASE)),
+    "train.lora.dropout": (Probe(0.5, _lora_forward, base=LORA_BASE),
+                           Refused(1.0, "train.lora.dropout=1.0: must be in [0, 1)", base=LORA_BASE)),
+    "train.lora.target_modules": (Probe(("q_proj", "v_proj"), _lora_forward, base=LORA_BASE),
+                                  Refused(("all-linear", "q_proj"), "train.lora.target_modules='all-linear,q_proj'",
+                                          base=LORA_BASE)),
     "policy.name": (Probe("greedy", _decisions, base=POLICY_BASE),),
     "policy.static_rollout": (Probe(4, _decisions, base=merge(POLICY_BASE, {"policy": {"name": "static"}})),),
     "policy.schedule": (Probe("3:4,9:1", _decisions,
