@@ -129,3 +129,21 @@ def test_is_adapter_looks_at_the_first_chunk_and_puts_it_back():
     assert not flag and list(rest) == ["m.weight"]
     with pytest.raises(RuntimeError, match="mixed"):
         is_adapter({"m.weight": torch.ones(1), "m.lora_A": torch.ones(1)})
+
+
+def test_save_weights_writes_a_tied_weight_once_under_the_embeddings_name(tmp_path):
+    from safetensors.torch import load_file
+
+    from dynaresize.roles.vllm_lora import save_weights
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(5, 3)
+            self.lm_head = torch.nn.Linear(3, 5, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight
+
+    model = Tied()
+    save_weights(model, str(tmp_path))
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert list(saved) == ["embed_tokens.weight"] and torch.equal(saved["embed_tokens.weight"], model.embed_tokens.weight)

@@ -52,7 +52,7 @@ from dynaresize.rl.models import build_model, build_tokenizer, hf_config, max_po
 from dynaresize.roles.base import GenRequest, GenResult, TPPlacement, run_to_completion, target_len, vllm_model_problem
 from dynaresize.roles.device_memory import bytes_freed_by, check_wake
 from dynaresize.roles.engine_map import check_start
-from dynaresize.roles.vllm_lora import is_adapter, load_adapter, start_lora
+from dynaresize.roles.vllm_lora import is_adapter, load_adapter, save_weights, start_lora
 from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request, warm_up
@@ -305,7 +305,7 @@ class VLLMRolloutEngine:
         hf_config(self.model_cfg).save_pretrained(self._tmpdir)
         build_tokenizer(self.model_cfg.vocab_size).save_pretrained(self._tmpdir)
         if self.lora:  # the base LoRA merges into (the trainers' own initial weights)
-            build_model(self.model_cfg).save_pretrained(self._tmpdir)
+            save_weights(build_model(self.model_cfg), self._tmpdir)
         return self._tmpdir
 
     def _drop_tmpdir(self) -> None:

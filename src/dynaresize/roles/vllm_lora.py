@@ -126,6 +126,20 @@ class EngineLora:
         return weights_digest(self.merge.named_adapter(None if names is None else list(names)), dtype)
 
 
+def save_weights(model: torch.nn.Module, folder: str) -> None:
+    """`model`'s weights as `folder`/model.safetensors, a tied weight once (under its first
+    name: the embedding). Not `save_pretrained`: under torch.distributed it writes on rank 0
+    only, and a trainer joining rollout is often another rank."""
+    from safetensors.torch import save_file
+
+    seen, state = set(), {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            state[name] = t.detach().contiguous()
+    save_file(state, f"{folder}/model.safetensors", metadata={"format": "pt"})
+
+
 def _rpc_packed(worker: Any) -> dict[str, list[str]]:
     return {k: list(v) for k, v in (getattr(worker.model_runner.get_model(), "packed_modules_mapping", {}) or {}).items()}
 
