@@ -164,3 +164,40 @@ def test_the_emulator_paces_a_lora_run_as_the_simulator_models_it():
         cfg(None, rollout_devices=6)
     with pytest.raises(ConfigError, match="train.lora.target_modules=c_attn"):
         cfg({"rank": 16, "target_modules": ["c_attn"]})
+
+
+def test_the_memory_plan_holds_the_frozen_base_and_the_adapters_state():
+    import sys
+    from pathlib import Path
+
+    from dynaresize.costmodel import memory
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _shapes import QWEN2_7B
+
+    n = QWEN2_7B.num_params
+    full = memory.MemoryInputs(micro_batch_size=4, seq_tokens=640, reference=True)
+    lo = memory.MemoryInputs(micro_batch_size=4, seq_tokens=640, reference=True, adapter_params=A7)
+    p = memory.trainer_peak(QWEN2_7B, lo, 2).as_dict()
+    assert p["parameters"] == 4 * (n + A7) / 2 and p["gradients"] == 4 * A7 / 2 and p["moments"] == 8 * A7 / 2
+    assert "reference" not in p  # the base with its adapter disabled is the reference
+    assert "reference" in memory.trainer_peak(QWEN2_7B, full, 2).as_dict()
+    assert memory.trainer_state_bytes(QWEN2_7B, lo) == 4 * n + 16 * A7
+    ops = memory.op_peaks(QWEN2_7B, lo, 80e9, 2)
+    assert ops["leave_training"].as_dict()["train_state"] == (4 * n + 16 * A7) / 2
+    # one 80 GB trainer holds a 7B LoRA job (31 GB of state); full training needs more than one
+    assert memory.trainer_peak(QWEN2_7B, lo, 1).total < 80e9 < memory.trainer_peak(QWEN2_7B, full, 1).total
+    with pytest.raises(ValueError, match="adapter_params=-1"):
+        memory.MemoryInputs(micro_batch_size=1, seq_tokens=8, adapter_params=-1)
+
+
+def test_a_run_configs_memory_inputs_count_its_adapter():
+    from dynaresize.commands.memory_plan import inputs_of
+    from dynaresize.config_load import build_config, merge
+    from dynaresize.presets import preset
+
+    cfg = build_config(merge(preset("cpu"), {"train": {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]}}}))
+    m = cfg.model
+    q, kv = m.hidden_size, m.num_kv_heads * (m.hidden_size // m.num_heads)
+    assert inputs_of(cfg).adapter_params == m.num_layers * 4 * ((m.hidden_size + q) + (m.hidden_size + kv))
+    assert inputs_of(build_config(preset("cpu"))).adapter_params == 0

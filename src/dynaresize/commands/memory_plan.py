@@ -35,7 +35,18 @@ def inputs_of(cfg: RunConfig, *, engine: str | None = None) -> memory.MemoryInpu
         engine_dtype=dtype, tensor_parallel=r.tensor_parallel, gpu_memory_utilization=r.gpu_memory_utilization,
         kv_cache_bytes=r.vllm_kv_cache_bytes, max_model_len=r.vllm_max_model_len or seq, hf_batch_rows=r.batch_rows,
         reshard_staging_bytes=cfg.reshard.staging_bytes, engine_release=r.engine_release,
-        logprob_chunk_tokens=t.logprob_chunk_tokens)
+        logprob_chunk_tokens=t.logprob_chunk_tokens, adapter_params=adapter_params(cfg))
+
+
+def adapter_params(cfg: RunConfig) -> int:
+    """`train.lora`'s adapter parameters for the run's model (peft's own count, on meta); 0 without LoRA."""
+    if cfg.train.lora is None:
+        return 0
+    import math
+
+    from dynaresize.roles.lora_model import adapter_specs
+
+    return int(sum(math.prod(s) for _, s in adapter_specs(cfg.model, cfg.train.lora)))
 
 
 def _bounds(cfg: RunConfig):
