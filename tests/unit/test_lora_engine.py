@@ -101,3 +101,11 @@ def test_export_writes_the_merged_model_and_the_peft_adapter(tmp_path):
         want, got = loaded(input_ids=ids).logits, with_adapter(input_ids=ids).logits
     assert torch.allclose(want, got, atol=1e-5), (want - got).abs().max()
     assert not torch.allclose(want, build_model(MODEL)(input_ids=ids).logits, atol=1e-4)  # the adapter shows
+
+
+def test_target_modules_that_match_nothing_name_the_field():
+    from dynaresize.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        adapter_specs(MODEL, LoraConfig(rank=2, target_modules=("nothing_proj",)))
+    assert str(info.value).startswith("train.lora.target_modules='nothing_proj': ") and "\n" not in str(info.value)
