@@ -139,6 +139,8 @@ def test_failing_reward_stops_cleanly_then_resume_scores_bad_rewards_zero_and_re
     assert summary["stopped"] and summary["ledger_ok"], summary["ledger_problems"]
     dropped = {r["sample_id"]: r for r in records(out, "sample") if r["dropped"]}
     assert dropped and {s.split("-")[0] for s in dropped} == {"1"}  # step 0 consumed, step 1 not
+    (stop,) = [r for r in records(out, "checkpoint") if r["cause"] == "stop"]
+    assert stop["step"] == 1 and stop["written_by"] == "trainers"  # every trainer alive: they write it
 
     # a bad prompt file given on resume: exit 2 naming the line, the run directory untouched
     tree = _tree(out)

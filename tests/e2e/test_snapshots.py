@@ -35,6 +35,9 @@ def test_full_snapshots_every_k_steps(ray_local, tmp_path):
     params_bytes = {r["bytes"] for r in step_snaps.values() if r["snapshot_kind"] == "params"}
     assert len(full_bytes) == len(params_bytes) == 1 and min(full_bytes) >= 3 * max(params_bytes)  # p + 2 moments
     assert all(0 <= r["critical_s"] and r["seconds"] > 0 for r in snaps)
+    # each began in its step's own training call, its results collected off the main thread
+    assert all(r["collector_s"] >= 0 for r in step_snaps.values())
+    assert all(r["critical_s"] == pytest.approx(r["issue_s"] + r["wait_s"] + r["gate_s"]) for r in step_snaps.values())
     assert summary["snapshot_every"] == 3
     want = sum(r["bytes"] for r in step_snaps.values()) / 10
     assert summary["snapshot_bytes_per_step"] == pytest.approx(want)

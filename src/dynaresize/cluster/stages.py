@@ -112,23 +112,29 @@ class StagesMixin:
         return RolloutOutcome(results=out, t0=t0, t1=time.time(), busy_s=busy, last_end=last_end, calls=calls,
                               remaining=queue, reissued=reissued, requests=requests)
 
-    def train(self, step: int, micro_batches: list[list[Any]], total_tokens: int) -> list[dict]:
-        """One training step: micro-batch i goes to the (i mod W)-th training device."""
+    def train(self, step: int, micro_batches: list[list[Any]], total_tokens: int, *,
+              snapshot: tuple[int, str] | None = None) -> list[dict]:
+        """One training step: micro-batch i goes to the (i mod W)-th training device.
+        `snapshot` (version, kind): each trainer starts that snapshot's copy right after its
+        optimizer step, inside this call (driver/snapshots.py)."""
         devices = self.assignment.devices(TRAIN)
         per = self._by_position(list(enumerate(micro_batches)), devices)
         self.reach("train", step, devices)
         pace_s = self.pacing.train_s(step, len(devices))
+        extra = {"snapshot": snapshot} if snapshot is not None else {}
         refs = [self.pacing.call(self.workers[d], "train", step, per[d], len(micro_batches), total_tokens,
-                                 pace_s=pace_s) for d in devices]
+                                 pace_s=pace_s, **extra) for d in devices]
         return self._train_wait(step, devices, refs)
 
     def train_part(self, step: int, micro_batches: list[tuple[int, list[Any]]], *, begin: bool,
-                   num_micro_batches: int, total_tokens: int | None) -> list[dict]:
+                   num_micro_batches: int, total_tokens: int | None,
+                   snapshot: tuple[int, str] | None = None) -> list[dict]:
         """Part of a streaming step's training (the trainers accumulate as its groups arrive):
         micro-batches (index, samples) of the step, micro-batch i on the (i mod W)-th training
         device as in `train`; the part with `total_tokens` applies the optimizer step
-        (`DeviceWorker.train_part`). Emulated, paced to these samples' share of the step's
-        training compute, plus the fixed exposed time on the last part."""
+        (`DeviceWorker.train_part`), and starts the copy of `snapshot` as `train` does. Emulated,
+        paced to these samples' share of the step's training compute, plus the fixed exposed
+        time on the last part."""
         devices = self.assignment.devices(TRAIN)
         per = self._by_position(micro_batches, devices)
         rounds = max((len(v) for v in per.values()), default=0)
@@ -136,8 +142,9 @@ class StagesMixin:
             self.reach("train", step, devices)
         samples = [s for _, mb in micro_batches for s in mb]
         pace_s = self.pacing.train_part_s(step, samples, len(devices), last=total_tokens is not None)
+        extra = {"snapshot": snapshot} if snapshot is not None and total_tokens is not None else {}
         refs = [self.pacing.call(self.workers[d], "train_part", step, per[d], rounds, begin, num_micro_batches,
-                                 total_tokens, pace_s=pace_s) for d in devices]
+                                 total_tokens, pace_s=pace_s, **extra) for d in devices]
         return self._train_wait(step, devices, refs)
 
     @staticmethod

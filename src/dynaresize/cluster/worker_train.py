@@ -81,8 +81,10 @@ class TrainStageMixin:
         return {i: lps for i, lps in out.items()}
 
     def train(self, step: int, micro_batches: list[tuple[int, list]], num_micro_batches: int,
-              total_tokens: int) -> dict:
-        """One training step on this rank's micro-batches (fixed composition by sample index)."""
+              total_tokens: int, snapshot: tuple[int, str] | None = None) -> dict:
+        """One training step on this rank's micro-batches (fixed composition by sample index).
+        `snapshot` (version, kind): start that snapshot's host copy right after the optimizer
+        step (`_optimizer_step`), so no call of its own sits on the step's path."""
         self._maybe_fault("train", step)
         self._pin_threads()
         t0 = time.time()
@@ -91,10 +93,10 @@ class TrainStageMixin:
         self._loss_denominator(total_tokens, num_micro_batches)  # a step of another size: refused before any work
         stats = self.trainer.compute_grads(micro_batches, self._loss_fn(total_tokens),
                                            num_micro_batches=num_micro_batches)
-        return self._optimizer_step(stats, t0)
+        return self._optimizer_step(stats, t0, snapshot)
 
     def train_part(self, step: int, micro_batches: list[tuple[int, list]], rounds: int, begin: bool,
-                   num_micro_batches: int, total_tokens: int | None) -> dict:
+                   num_micro_batches: int, total_tokens: int | None, snapshot: tuple[int, str] | None = None) -> dict:
         """Part of a streaming step's training (the trainers accumulate as a step's groups arrive):
         forward/backward of this rank's `micro_batches` over `rounds` rounds (every trainer gets
         the same `rounds`), added to the step's gradient (`begin`: its first part). The loss is
@@ -115,7 +117,7 @@ class TrainStageMixin:
             return {"t0": t0, "t1": time.time(), "device": self.device}
         denominator = self._loss_denominator(total_tokens, num_micro_batches)
         stats = self.trainer.reduce_grads(num_micro_batches=num_micro_batches, scale=1.0 / denominator)
-        return self._optimizer_step(stats, t0)
+        return self._optimizer_step(stats, t0, snapshot)
 
     def _with_old_logprobs(self, micro_batches: list[tuple[int, list]], num_micro_batches: int,
                            rounds: int | None = None) -> list[tuple[int, list]]:
@@ -124,7 +126,7 @@ class TrainStageMixin:
         recomputed = self.recompute_logprobs(micro_batches, num_micro_batches, rounds=rounds)
         return [(i, [s.with_logprobs(lps) for s, lps in zip(mb, recomputed[i])]) for i, mb in micro_batches]
 
-    def _optimizer_step(self, stats: dict, t0: float) -> dict:
+    def _optimizer_step(self, stats: dict, t0: float, snapshot: tuple[int, str] | None = None) -> dict:
         t_grads = time.time()
         # The moments of the last resize moved on this thread before this call (the driver queued
         # their hand-off first); a pending or failed hand-off stops the step (cluster/handoff.py).
@@ -132,6 +134,9 @@ class TrainStageMixin:
         snap_wait_s = self.snapshot_gate()  # a snapshot's host copy reads this state (worker_recovery.py)
         t_wait = time.time()
         stats.update(self.trainer.apply_optimizer())
+        if snapshot is not None:  # the new version's copy starts now, on this thread (worker_recovery.py)
+            self.snapshot_begin(*snapshot)
+            stats["snapshot"] = [int(snapshot[0]), str(snapshot[1])]
         stats["snap_wait_s"] = snap_wait_s
         stats.update(t0=t0, t_grads=t_grads, t_wait=t_wait, t1=time.time(), device=self.device,
                      version=self.trainer.step)

@@ -116,8 +116,12 @@ class Checkpointer:
         if every and boundary % every == 0 and boundary < self.run.cfg.steps:
             self.save(boundary, "periodic")
 
-    def save(self, boundary: int, kind: str, *, finish_pending: bool = True) -> Path:
+    def save(self, boundary: int, kind: str, *, finish_pending: bool = True, live: bool | None = None) -> Path:
+        """A checkpoint of `boundary`. `live`: every trainer is alive (default: any save but a
+        stop's; a stop with every trainer alive passes True), so the workers write its shards;
+        otherwise (a stop after a loss) the driver writes them from the snapshots."""
         run = self.run
+        live = kind != "stop" if live is None else live
         if finish_pending:
             run._finish_pending()  # its resize record belongs to the state being saved
         t0 = time.time()
@@ -125,10 +129,10 @@ class Checkpointer:
         name = f"step-{boundary:06d}-{uuid.uuid4().hex[:8]}"
         out = self.root / name
         out.mkdir(parents=True)
-        written = write_state(run, boundary, out / "trainer", live=kind != "stop")
+        written = write_state(run, boundary, out / "trainer", live=live)
         extra = stream_versions(boundary, run.cfg.train.staleness)
         for v, sub in [(rv, "rollout"), *((v, f"rollout-v{v}") for v in extra)]:
-            write_weights(run, v, out / sub, driver=kind == "stop")
+            write_weights(run, v, out / sub, driver=not live)
         offset = run.rec.path.stat().st_size  # the recorder flushes every line
         state = {
             "format": FORMAT, "boundary": boundary, "rollout_version": rv, "ledger": run.ledger.state_before(boundary),
@@ -163,9 +167,10 @@ class Checkpointer:
 
 def write_state(run: Any, boundary: int, directory: Path, *, live: bool) -> str:
     """The trainer state of `boundary` into `directory`; who wrote its shards. `live` (a
-    periodic or final save: the trainers hold exactly that state): each trainer writes its own
-    shard (cluster/checkpoint_io.py). A stop after a loss: from the snapshot of `boundary`,
-    whose trainers may be gone, written by the driver."""
+    periodic or final save, or a stop with every trainer alive): each trainer writes its own
+    shard of the state it holds when that is `boundary`'s, else the live workers write the
+    snapshot's shards (cluster/checkpoint_io.py). A stop after a loss: from the snapshot of
+    `boundary`, whose trainers may be gone, written by the driver."""
     from dynaresize.cluster import checkpoint_io, snapshot
 
     cluster = run.cluster

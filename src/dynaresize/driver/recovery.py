@@ -219,7 +219,7 @@ def stop_run(run: Any, w: Window, reason: str, *, trainers: tuple[int, ...] = ()
     for entry in sorted(dropped, key=lambda e: e.sample_id):
         run.rec.emit("sample", **sample_record(entry))
     run.pending = None  # its background ops may involve lost devices: the checkpoint needs none
-    path = run.ckpt.save(boundary, "stop", finish_pending=False)
+    path = run.ckpt.save(boundary, "stop", finish_pending=False, live=bool(trainers))  # alive: they write it
     run._finish(stopped=why)
     raise RunStopped(f"{why} (consistent checkpoint of step {boundary} in {path}; "
                      f"continue with `dynaresize run --resume {run.out}`)")

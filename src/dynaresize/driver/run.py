@@ -262,7 +262,8 @@ class Run(StepReporting):
     def _train(self, step: int, scored: ScoredStep) -> list[dict]:
         mbs = grpo.micro_batches(scored.samples, self.cfg.train.micro_batch_size)
         total = grpo.total_response_tokens(scored.samples)
-        return self._trained(step, scored, self.cluster.train(step, mbs, total))
+        return self._trained(step, scored, self.cluster.train(step, mbs, total,
+                                                              snapshot=self.snapshots.request(step + 1)))
 
     def _trained(self, step: int, scored: ScoredStep, stats: list[dict]) -> list[dict]:
         """After step `step`'s optimizer step: snapshot of version step+1 started (not waited for), the

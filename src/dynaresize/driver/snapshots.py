@@ -3,13 +3,19 @@
 After step s's optimizer step the trainers start a host copy of version s+1 (cluster/
 worker_recovery.py `snapshot_begin`): every kind (parameters, moments, reference) when s+1 is a
 multiple of K, a checkpoint boundary or the run's end ("full"), the parameters only otherwise
-("params": enough to serve rollout pulls and the engines' weights after a loss). The copy runs on
-a copy thread of each trainer, overlapped with what follows (sync, scoring, the next step's
-forward and backward); the next optimizer step waits for it (its `snap_wait_s`). The arrays go to
-the object store of the trainer's own node from the worker's `snap` thread (task results owned by
-the driver, so they outlive the trainer's process; full ones also get a holder on another node on
-multi-node runs, cluster/snapshot.py); the driver never holds them and waits for none of it on
-the step's path: `poll` collects what is done.
+("params": enough to serve rollout pulls and the engines' weights after a loss). The request
+rides on the step's own training call (`request`: the `snapshot` argument of the trainers'
+`train` / last `train_part`), which starts the copy right after the optimizer step, so no call
+of its own sits on the step's path. The copy runs on a copy thread of each trainer, overlapped
+with what follows (sync, scoring, the next step's forward and backward); the next optimizer step
+waits for it (its `snap_wait_s`). The arrays go to the object store of the trainer's own node
+from the worker's `snap` thread (`snapshot_take`: task results owned by the driver, so they
+outlive the trainer's process; full ones also get a holder on another node on multi-node runs,
+cluster/snapshot.py). The driver issues those `snapshot_take` calls and waits for their small
+meta results on a driver thread of its own (`_Collector`), not the main thread: the main thread
+only hands the version over and later finds it done (`poll`); it never holds the arrays.
+A call without the request (a replayed version a rollout needs: `params_now`) falls back to
+`snapshot_begin` + `snapshot_take` issued by the main thread.
 
 Recovery by replay: the scored samples of every step since the last full snapshot are kept
 (`replay`: small, prompt and response tokens); on a loss the trainers restore the last full
@@ -28,11 +34,16 @@ Invariants:
 - the object store holds one full snapshot (an older one keeps its parameters only once a newer
   one is complete) and the parameter versions a window needs;
 - one `snapshot` record per snapshot: step (its version), snapshot_kind, bytes, seconds (the
-  copy, slowest trainer), critical_s (the driver's issue and waits plus the optimizer's wait).
+  copy, slowest trainer), critical_s: everything the snapshot puts on the step's path, i.e. the
+  driver main thread's time for it (the hand-over to the collector, the check and commit when
+  done, any blocking wait) plus the optimizer's wait for the copy; `collector_s`, the collector
+  thread's issue time (off the main thread, reported, not counted: docs/faults.md says why).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -57,6 +68,86 @@ class _Pending:
     nodes: list[str] | None = None  # Ray node of each shard's primary (multi-node runs)
     wait_s: float = 0.0
     gate_s: float | None = None
+    # Issued by the collector thread (None: by the main thread, the fallback): set once the
+    # refs above are in; `done` once the metas are (`result`) or the wait failed (`error`).
+    issued: "_Flag | None" = None
+    done: "_Flag | None" = None
+    result: list[dict] | None = None
+    error: BaseException | None = None
+    collector_s: float = 0.0  # the collector thread's time to issue the calls (off the main thread)
+    snap: snapshot.Snapshot | None = None  # built by the collector once the metas are in
+
+
+class _Flag:
+    """A one-shot event on a bare lock: made and checked on the main thread in well under a
+    microsecond (a `threading.Event` costs ~8 us to make here, most of the hand-over)."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._lock.release()
+        return True
+
+
+class _Collector:
+    """A driver thread that issues a started snapshot's `snapshot_take` calls (results owned by
+    the driver process, like any call it makes) and a second that waits for their small meta
+    results, so neither the issue nor the wait sits on the main thread. Two threads: a wait that
+    hangs (a trainer that stopped answering, until the recovery kills it) never holds up the
+    issue of the next snapshot's calls. Daemon threads: a wait left at exit ends with the process."""
+
+    def __init__(self) -> None:
+        self._issue: queue.SimpleQueue = queue.SimpleQueue()  # a C queue: put costs ~0.04 us, not ~9
+        self._wait: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._issuer, name="snapshot-issue", daemon=True).start()
+        threading.Thread(target=self._waiter, name="snapshot-wait", daemon=True).start()
+
+    def submit(self, p: _Pending, workers: list) -> None:
+        p.issued, p.done = _Flag(), _Flag()
+        self._issue.put((p, list(workers)))
+
+    def _issuer(self) -> None:
+        while True:
+            p, workers = self._issue.get()
+            t0 = time.perf_counter()
+            try:
+                calls = [workers[d].snapshot_take.remote(p.version) for d in p.devices]
+                p.metas, p.params, p.others = [c[0] for c in calls], [c[1] for c in calls], [c[2] for c in calls]
+            except BaseException as exc:  # noqa: BLE001 - the main thread's complete() raises it
+                p.error = exc
+                p.done.set()
+            p.collector_s = time.perf_counter() - t0
+            p.issued.set()
+            if p.error is None:
+                self._wait.put(p)
+
+    def _waiter(self) -> None:
+        while True:
+            p = self._wait.get()
+            try:
+                p.result = ray.get(p.metas)
+                p.snap = snapshot.Snapshot(version=p.version, metas=p.result, params=p.params,
+                                           others=p.others if p.kind == "full" else None)
+            except BaseException as exc:  # noqa: BLE001 - a lost trainer: complete() waits with the watchdog
+                p.error = exc
+            p.done.set()
 
 
 @dataclass
@@ -82,6 +173,8 @@ class Snapshots:
         self.bytes_total = 0  # bytes of the per-step snapshots (not the start's nor a recovery's)
         self.kinds: dict[str, int] = {"full": 0, "params": 0}
         self._t_prev: float | None = None
+        self._started: tuple[int, str] | None = None  # (version, kind) every trainer's step call began
+        self._collector: _Collector | None = None
 
     # ------------------------------------------------------------------ mapping
 
@@ -117,6 +210,7 @@ class Snapshots:
         self._row(version, "full", snap.metas, seconds=self.full_s, critical_s=time.time() - t0, cause="start")
         self._t_prev = time.time()
         self._check_capacity(snap)
+        self._collector = _Collector()  # its threads start here, not on a step's path
         if self.every is not None:
             say(f"dynaresize: full snapshots every {self.every} steps (checkpoint.snapshot_every_steps); "
                 "parameters-only copies between, recovery replays the steps since the last full one")
@@ -142,31 +236,52 @@ class Snapshots:
             f"{step_s:.2f} s; checkpoint.snapshot_every_steps sets it); expected replay per fault "
             f"{expected_replay_steps(self.every):.1f} steps")
 
+    def request(self, version: int) -> tuple[int, str]:
+        """The `snapshot` argument of the training call that makes `version`: its trainers start
+        the copy (of this kind) right after their optimizer step. Version 1's kind is decided
+        before K is chosen (after step 0): full only if set or a checkpoint needs it."""
+        return version, self.kind_for(version)
+
     def begin(self, version: int, devices: tuple[int, ...], kind: str | None = None) -> None:
-        """Start the snapshot of `version` on the trainers `devices` and return (module docstring)."""
+        """Collect the snapshot of `version` on the trainers `devices` (started by the step call
+        when `after_train` saw every trainer confirm it; else started here) and return."""
+        t0 = time.perf_counter()
         self._choose_every()
-        t0 = time.time()
-        kind = kind or self.kind_for(version)
+        started, self._started = self._started, None
         cluster = self.run.cluster
+        nodes = [cluster.node_of(d) for d in devices] if cluster.nodes else None
+        if kind is None and started is not None and started[0] == version:
+            if self._collector is None:  # normally made by `start`
+                self._collector = _Collector()
+            p = _Pending(version=version, kind=started[1], devices=tuple(devices), metas=[], params=[], others=[],
+                         issue_s=0.0, nodes=nodes)
+            self._collector.submit(p, cluster.workers)
+            self.pending[version] = p
+            p.issue_s = time.perf_counter() - t0
+            return
+        kind = kind or self.kind_for(version)
         workers = cluster.workers
         for d in devices:
             workers[d].snapshot_begin.remote(version, kind)  # the issuing thread: before the next step
         calls = [workers[d].snapshot_take.remote(version) for d in devices]
         self.pending[version] = _Pending(version=version, kind=kind, devices=tuple(devices),
                                          metas=[c[0] for c in calls], params=[c[1] for c in calls],
-                                         others=[c[2] for c in calls], issue_s=time.time() - t0,
-                                         nodes=[cluster.node_of(d) for d in devices] if cluster.nodes else None)
+                                         others=[c[2] for c in calls], issue_s=time.perf_counter() - t0,
+                                         nodes=nodes)
 
     def after_train(self, step: int, stats: list[dict], scored: Any) -> None:
         """Step `step` is trained: keep it for a replay; its optimizer waited `snap_wait_s` for the
-        copy of version `step`."""
+        copy of version `step`; the copy of version step+1 began in it if every trainer says so."""
         self.replay[step] = scored
+        said = {tuple(st["snapshot"]) if st.get("snapshot") else None for st in stats}
+        self._started = said.pop() if len(said) == 1 and None not in said else None
         gate = max((st.get("snap_wait_s", 0.0) for st in stats), default=0.0)
         if step in self.pending:
             self.pending[step].gate_s = gate
         elif step in self.rows and not self.rows[step].gate_known:
             row = self.rows[step]
             row.fields["critical_s"] += gate
+            row.fields["gate_s"] = gate
             row.gate_known = True
         self.poll()
 
@@ -174,24 +289,31 @@ class Snapshots:
         """Wait for the pending snapshot of `version` (the watchdog's wait: a lost trainer raises
         `DevicesLost`) and make it usable."""
         p = self.pending[version]
-        t0 = time.time()
-        metas = self.run.cluster.wait(list(zip(p.devices, p.metas)), f"snapshot {version}")
+        t0 = time.perf_counter()
+        if p.done is not None and p.done.is_set() and p.error is None:
+            metas = p.result  # the collector has them: no call from this thread
+        else:
+            if p.issued is not None:
+                p.issued.wait()  # the collector issues at once (it never waits for a trainer first)
+            metas = self.run.cluster.wait(list(zip(p.devices, p.metas)), f"snapshot {version}")
         return self._commit(p, metas, replicate=True, t0=t0)
 
     def _commit(self, p: _Pending, metas: list[dict], *, replicate: bool, t0: float) -> snapshot.Snapshot:
         cluster, version = self.run.cluster, p.version
-        snap = snapshot.Snapshot(version=version, metas=metas, params=p.params,
-                                 others=p.others if p.kind == "full" else None)
+        snap = p.snap if p.snap is not None and p.result is metas else snapshot.Snapshot(
+            version=version, metas=metas, params=p.params, others=p.others if p.kind == "full" else None)
         if p.kind == "full" and replicate:
             snapshot.replicate(cluster, snap, p.devices)
         elif getattr(cluster, "nodes", None):
             snap.nodes = list(p.nodes or [])
-        p.wait_s += time.time() - t0
         del self.pending[version]
         self.done[version] = snap
         seconds = max(m["seconds"] for m in metas)
+        p.wait_s += time.perf_counter() - t0
         self._row(version, p.kind, metas, seconds=seconds, critical_s=p.issue_s + p.wait_s + (p.gate_s or 0.0),
                   cause="step", gate_known=p.gate_s is not None)
+        self.rows[version].fields.update(collector_s=p.collector_s, issue_s=p.issue_s, wait_s=p.wait_s,
+                                         gate_s=p.gate_s or 0.0)
         self.bytes_total += sum(m["bytes"] for m in metas)
         self.kinds[p.kind] += 1
         if p.kind == "full":
@@ -210,10 +332,16 @@ class Snapshots:
         """Complete the pending snapshots whose results are all in (no waiting); emit the records
         of those whose optimizer wait is known."""
         for v in sorted(self.pending):
-            refs = self.pending[v].metas
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            if len(ready) < len(refs):
-                break  # in version order: a full snapshot counts only after the ones before it
+            p = self.pending[v]
+            if p.done is not None:
+                if not p.done.is_set():
+                    break  # in version order: a full snapshot counts only after the ones before it
+            else:  # issued by this thread (the fallback): ask Ray
+                t0 = time.perf_counter()
+                ready, _ = ray.wait(p.metas, num_returns=len(p.metas), timeout=0)
+                p.wait_s += time.perf_counter() - t0
+                if len(ready) < len(p.metas):
+                    break
             self.complete(v)
         self._emit(final=False)
 
@@ -245,14 +373,19 @@ class Snapshots:
         dropped."""
         dropped = []
         for v in sorted(self.pending):
+            p = self.pending[v]
             try:
-                metas = ray.get(self.pending[v].metas, timeout=self.run.cfg.timeouts.collective_s)
+                if p.issued is not None:
+                    p.issued.wait()
+                    if p.error is not None and not p.metas:
+                        raise p.error  # its calls were never issued
+                metas = ray.get(p.metas, timeout=self.run.cfg.timeouts.collective_s)
             except Exception:  # noqa: BLE001 - a lost trainer's result: the snapshot is gone
                 del self.pending[v]
                 dropped.append(v)
                 continue
             # Not replicated now (its holders may be the lost ones): a full one counts on its primaries.
-            self._commit(self.pending[v], metas, replicate=False, t0=time.time())
+            self._commit(p, metas, replicate=False, t0=time.perf_counter())
         for v, s in list(self.done.items()):
             if s.others is None and s.nodes and set(s.nodes) & down:
                 del self.done[v]

@@ -158,7 +158,8 @@ class Streaming:
                 continue
             last = acc.done
             out = run.cluster.train_part(step, ready, begin=first, num_micro_batches=acc.num_micro_batches,
-                                         total_tokens=acc.total_tokens if last else None)
+                                         total_tokens=acc.total_tokens if last else None,
+                                         snapshot=run.snapshots.request(step + 1) if last else None)
             first = False
             parts.append((min(o["t0"] for o in out), max(o["t1"] for o in out)))
             if last:
@@ -200,7 +201,8 @@ class Streaming:
         scored = dyn.scored(step)
         mbs = grpo.micro_batches(scored.samples, run.cfg.train.micro_batch_size)
         out = run.cluster.train_part(step, list(enumerate(mbs)), begin=True, num_micro_batches=len(mbs),
-                                     total_tokens=grpo.total_response_tokens(scored.samples))
+                                     total_tokens=grpo.total_response_tokens(scored.samples),
+                                     snapshot=run.snapshots.request(step + 1))
         self.train_parts[step] = [(min(o["t0"] for o in out), max(o["t1"] for o in out))]
         return scored, out
 
