@@ -109,3 +109,22 @@ def test_target_modules_that_match_nothing_name_the_field():
     with pytest.raises(ConfigError) as info:
         adapter_specs(MODEL, LoraConfig(rank=2, target_modules=("nothing_proj",)))
     assert str(info.value).startswith("train.lora.target_modules='nothing_proj': ") and "\n" not in str(info.value)
+
+
+def test_fused_experts_are_refused_and_linear_targets_of_an_moe_model_are_not(tmp_path):
+    import sys
+    from pathlib import Path
+
+    from dynaresize.errors import ConfigError
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from _moe_model import write_moe_model
+
+    folder = ModelConfig(path=str(write_moe_model(tmp_path / "moe")))
+    with pytest.raises(ConfigError) as info:
+        adapter_specs(folder, LoraConfig(rank=2))  # all-linear: peft also wraps the fused expert weights
+    message = str(info.value)
+    assert message.startswith("train.lora.target_modules='all-linear': peft adapts model.layers.0.mlp.experts")
+    assert "fused experts" in message and "\n" not in message
+    specs = adapter_specs(folder, LoraConfig(rank=2, target_modules=("q_proj", "v_proj")))
+    assert specs and all(".self_attn." in n for n, _ in specs)

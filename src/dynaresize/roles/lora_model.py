@@ -81,7 +81,19 @@ def adapter_specs(model_cfg: ModelConfig, lora: LoraConfig) -> tuple[tuple[str, 
     from dynaresize.roles.train_spec import empty_model
 
     model = wrap(empty_model(model_cfg), lora)
-    return tuple((w, tuple(p.shape)) for n, p in model.named_parameters() if (w := wire_name(n)) is not None)
+    specs = tuple((w, tuple(p.shape)) for n, p in model.named_parameters() if (w := wire_name(n)) is not None)
+    base = {base_name(n): tuple(p.shape) for n, p in model.named_parameters() if wire_name(n) is None}
+    halves = dict(specs)
+    for name, shape in specs:  # each adapter must merge into one [out, in] weight (roles/lora.py)
+        module, _, half = name.rpartition(".")
+        if half == "lora_A" and base.get(f"{module}.weight") != (halves.get(f"{module}.lora_B", (0,))[0], shape[1]):
+            from dynaresize.errors import ConfigError
+
+            raise ConfigError([f"train.lora.target_modules={','.join(lora.target_modules)!r}: peft adapts "
+                               f"{module.removesuffix('.base_layer')} ({type(model.get_submodule(PEFT_PREFIX + module)).__name__}"
+                               f", not one linear weight: fused experts), which a LoRA sync cannot merge; name the "
+                               "linear layers to adapt instead (e.g. q_proj,k_proj,v_proj,o_proj)"])
+    return specs
 
 
 def trainable_specs(model_cfg: ModelConfig, lora: LoraConfig | None) -> list[tuple[str, tuple[int, ...]]]:
