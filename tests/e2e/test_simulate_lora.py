@@ -45,3 +45,11 @@ def test_bad_lora_flags_exit_2_in_one_line(tmp_path, capsys, flags, needle):
                "--out", str(tmp_path / "o"), "--quiet", "--no-plots"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and needle in err and len(err.splitlines()) == 1
+
+
+def test_a_split_only_the_lora_job_can_run_is_refused_for_the_job_beside_it(tmp_path, capsys):
+    rc = main(["simulate", "--workload", "longtail-drift", "--devices", "16", "--steps", "2", "--lora-rank", "16",
+               "--policies", "static:15", "--out", str(tmp_path / "o"), "--quiet", "--no-plots"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "the full-training job beside the LoRA one" in err and "static:15" in err
+    assert len(err.splitlines()) == 1

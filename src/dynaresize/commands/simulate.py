@@ -255,8 +255,11 @@ def main(args: argparse.Namespace) -> int:
         from dynaresize.costmodel.costs import with_lora
 
         full_model = with_lora(scenario.model, 0)
-        full_doc = simulate(replace(scenario, model=full_model), policies, cfg, staleness=args.staleness,
-                            partial=args.partial, accumulate=args.accumulate, admit=args.admit)
+        try:
+            full_doc = simulate(replace(scenario, model=full_model), policies, cfg, staleness=args.staleness,
+                                partial=args.partial, accumulate=args.accumulate, admit=args.admit)
+        except ConfigError as exc:  # e.g. a static split below the full job's memory floor
+            raise ConfigError([f"the full-training job beside the LoRA one: {e}" for e in exc.errors]) from None
     doc = simulate(scenario, policies, cfg, staleness=args.staleness, partial=args.partial,
                    accumulate=args.accumulate, admit=args.admit, out_dir=args.out,
                    progress=progress, figures=None if args.no_plots else write_sim_figures, notes=notes)
