@@ -1,4 +1,4 @@
-"""`train.lora` on the real runtime with the HF engine (issue 36, LoRA acceptance).
+"""`train.lora` on the real runtime with the HF engine, and with vLLM engines (issue 36, LoRA acceptance).
 
 One deterministic LoRA run with a move each way (scripted: a trainer leaves for rollout after
 step 1 and comes back after step 3, 4 devices) against its static run:
@@ -32,22 +32,26 @@ STEPS = 5
 LORA = {"rank": 4, "alpha": 8.0}
 
 
-def _config(policy: dict):
+def _config(policy: dict, engine: str = "hf"):
     from dynaresize.config_load import build_config, merge
 
-    return build_config(merge(job_data(steps=STEPS), {"train": {"lora": LORA, "lr": 2e-2}, "policy": policy}))
+    rollout = {"engine": engine, **({"vllm_kv_cache_bytes": 64 << 20} if engine == "vllm" else {})}
+    return build_config(merge(job_data(steps=STEPS), {"train": {"lora": LORA, "lr": 2e-2}, "policy": policy,
+                                                      "rollout": rollout}))
 
 
-@pytest.fixture(scope="module")
-def runs(ray_local, tmp_path_factory):  # noqa: F811
+# vllm: its engines are sent the adapter and serve the merged weights (roles/vllm_lora.py)
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def runs(ray_local, tmp_path_factory, request):  # noqa: F811
     from dynaresize.driver.run import run_job
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     base = tmp_path_factory.mktemp("lora")
     out = {}
     for name, policy in (("moves", {"schedule": "2:3,4:2"}), ("static", {"name": "static"})):
-        summary = run_job(_config(policy), base / name, progress=False)
+        summary = run_job(_config(policy, request.param), base / name, progress=False)
         assert summary["ledger_ok"], summary["ledger_problems"]
+        assert summary["rollout_engine"] == request.param
         out[name] = (base / name, summary)
     return out
 

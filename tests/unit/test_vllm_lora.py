@@ -147,3 +147,13 @@ def test_save_weights_writes_a_tied_weight_once_under_the_embeddings_name(tmp_pa
     save_weights(model, str(tmp_path))
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert list(saved) == ["embed_tokens.weight"] and torch.equal(saved["embed_tokens.weight"], model.embed_tokens.weight)
+
+
+def test_policy_shapes_are_the_trainers_names_on_meta():
+    from dynaresize.config import ModelConfig
+    from dynaresize.rl.models import build_model
+    from dynaresize.roles.vllm_lora import policy_shapes
+
+    got = policy_shapes(ModelConfig())
+    want = {n: tuple(p.shape) for n, p in build_model(ModelConfig()).named_parameters()}
+    assert {n: tuple(t.shape) for n, t in got.items()} == want and all(t.is_meta for t in got.values())

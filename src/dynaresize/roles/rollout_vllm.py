@@ -52,7 +52,7 @@ from dynaresize.rl.models import build_model, build_tokenizer, hf_config, max_po
 from dynaresize.roles.base import GenRequest, GenResult, TPPlacement, run_to_completion, target_len, vllm_model_problem
 from dynaresize.roles.device_memory import bytes_freed_by, check_wake
 from dynaresize.roles.engine_map import check_start
-from dynaresize.roles.vllm_lora import is_adapter, load_adapter, save_weights, start_lora
+from dynaresize.roles.vllm_lora import is_adapter, load_adapter, policy_shapes, save_weights, start_lora
 from dynaresize.roles.vllm_memory import kv_bytes_per_token, kv_cache_bytes, kv_problem
 from dynaresize.roles.vllm_process import ENGINE_ENV, OVERRIDING_ENV, eager_token_ranks, preserve_process_state
 from dynaresize.roles.vllm_requests import check_fits, empty_result, extend, result_of, vllm_request, warm_up
@@ -174,8 +174,8 @@ class VLLMRolloutEngine:
             hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
             self._tied = bool(getattr(hf, "tie_word_embeddings", False))
             adapter, state_dict = is_adapter(state_dict) if self.lora else (False, state_dict)
-            if not adapter:  # an adapter's names are not the engine's: its targets are checked as it merges
-                self._shapes = check_start(self._llm, self._shapes, state_dict, self._tied, self.model_cfg.path)  # engine_map.py
+            given = policy_shapes(self.model_cfg) if adapter else state_dict  # LoRA: the policy's names (vllm_lora)
+            self._shapes = check_start(self._llm, self._shapes, given, self._tied, self.model_cfg.path)  # engine_map.py
             if self.lora:
                 self._lora = start_lora(self._llm, self.lora, self._dtype, self.model_cfg, self._shapes)
             self._load(state_dict)

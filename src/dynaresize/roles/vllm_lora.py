@@ -126,6 +126,15 @@ class EngineLora:
         return weights_digest(self.merge.named_adapter(None if names is None else list(names)), dtype)
 
 
+def policy_shapes(model_cfg: Any) -> dict[str, torch.Tensor]:
+    """The policy's weights as meta tensors (names and shapes, nothing read): what a LoRA
+    engine's start checks vLLM's mapping against (engine_map.check_start), as a full-weight
+    start checks the state dict it is given."""
+    from dynaresize.roles.initial_weights import initial_weights
+
+    return {n: torch.empty(s, device="meta") for n, s in initial_weights(model_cfg).shapes.items()}
+
+
 def save_weights(model: torch.nn.Module, folder: str) -> None:
     """`model`'s weights as `folder`/model.safetensors, a tied weight once (under its first
     name: the embedding). Not `save_pretrained`: under torch.distributed it writes on rank 0
