@@ -174,19 +174,19 @@ def merged_state(model_cfg: ModelConfig, lora: LoraConfig, adapter: Mapping[str,
 
 def save_adapter(model_cfg: ModelConfig, lora: LoraConfig, adapter: Mapping[str, torch.Tensor],
                  directory: str | Path) -> Path:
-    """The adapter in peft's layout (adapter_model.safetensors, adapter_config.json) in
-    `directory/adapter`: `PeftModel.from_pretrained(base, that folder)` loads it."""
-    from dynaresize.rl.models import build_model
+    """The adapter in peft's layout (adapter_model.safetensors under peft's key names,
+    adapter_config.json) in `directory/adapter`, written from the tensors alone (no second model
+    built): `PeftModel.from_pretrained(base, that folder)` loads it."""
+    from safetensors.torch import save_file
 
-    model = wrap(build_model(model_cfg), lora)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, p in params.items():
-            wire = wire_name(name)
-            if wire is not None:
-                p.copy_(adapter[wire])
     out = Path(directory) / ADAPTER_DIR
-    model.save_pretrained(out, safe_serialization=True)
+    out.mkdir(parents=True, exist_ok=True)
+    config = peft_config(lora)
+    config.base_model_name_or_path = model_cfg.path
+    config.save_pretrained(str(out))
+    tensors = {f"{PEFT_PREFIX}{name}.weight": t.detach().to("cpu", torch.float32).contiguous()
+               for name, t in adapter.items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out
 
 
