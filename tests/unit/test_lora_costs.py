@@ -182,7 +182,7 @@ def test_the_memory_plan_holds_the_frozen_base_and_the_adapters_state():
     assert p["parameters"] == 4 * (n + A7) / 2 and p["gradients"] == 4 * A7 / 2 and p["moments"] == 8 * A7 / 2
     assert "reference" not in p  # the base with its adapter disabled is the reference
     assert "reference" in memory.trainer_peak(QWEN2_7B, full, 2).as_dict()
-    assert memory.trainer_state_bytes(QWEN2_7B, lo) == 4 * n + 16 * A7
+    assert lora.trainer_bytes(n, A7) == 4 * n + 16 * A7
     ops = memory.op_peaks(QWEN2_7B, lo, 80e9, 2)
     assert ops["leave_training"].as_dict()["train_state"] == (4 * n + 16 * A7) / 2
     # one 80 GB trainer holds a 7B LoRA job (31 GB of state); full training needs more than one

@@ -34,6 +34,8 @@ ALL_LINEAR = "all-linear"
 ADAPTER_MOVE_BYTES_PER_PARAM = 12.0
 # What the trainers hold per adapter parameter: fp32 parameters, gradients, two moments.
 ADAPTER_STATE_BYTES_PER_PARAM = 16.0
+# The frozen base on the trainers: fp32 (roles/lora_model.py fills the wrapped model's rows as fp32).
+FROZEN_BASE_BYTES_PER_PARAM = 4.0
 # The dense block's linear modules, by their HF name.
 DENSE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Names a mixture-of-experts block adds: the router, the routed experts (fused), the shared expert's gate.
@@ -133,6 +135,12 @@ def move_bytes(num_adapter_params: float) -> float:
 def state_bytes(num_adapter_params: float) -> float:
     """All trainers' adapter state: fp32 parameters, gradients, two moments (a checkpoint's)."""
     return ADAPTER_STATE_BYTES_PER_PARAM * float(num_adapter_params)
+
+
+def trainer_bytes(num_params: float, num_adapter_params: float) -> float:
+    """All trainers' bytes of state in a LoRA job: the frozen fp32 base (which is also the
+    reference model) and the adapter's 16 B/param."""
+    return FROZEN_BASE_BYTES_PER_PARAM * float(num_params) + state_bytes(num_adapter_params)
 
 
 def sync_bytes(num_adapter_params: float, elem_bytes: float = 2.0) -> float:

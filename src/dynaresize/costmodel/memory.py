@@ -8,9 +8,8 @@ The trainer (FSDP2 with fp32 master weights, roles/train_fsdp.py) holds per para
 fp32 parameters (4 B), fp32 gradients (4 B) and two fp32 AdamW moments (8 B): 16 B, divided
 over the W training devices. A frozen reference model (KL on) adds its fp32 copy (4 B). What
 is transient (the all-gathered bf16 block of the layer being computed, activations, logits)
-is not state: it lives in the share of memory the floor leaves free. With LoRA
-(`MemoryInputs.adapter_params`) the trainer holds the frozen base in fp32 (4 B) and the adapter's
-16 B/param; the reference model is the base itself (no second copy).
+is not state: it lives in the share of memory the floor leaves free. With LoRA: the frozen fp32
+base (also the reference) and the adapter's 16 B/param (`MemoryInputs.adapter_params`).
 
 The plan before start (`ModelShape`, `MemoryInputs`, `trainer_peak`, `engine_peak`, `op_peaks`,
 `split_fit`, `plan_splits`) counts every byte of one device in each role and resize op for a
@@ -149,11 +148,10 @@ class MemoryInputs:
     adapter_params: int = 0  # train.lora: the adapter's parameters (0: every weight trains)
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "seq_tokens", "tensor_parallel", "hf_batch_rows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"MemoryInputs.{name}={getattr(self, name)}: must be >= 1")
-        if self.adapter_params < 0:
-            raise ValueError(f"MemoryInputs.adapter_params={self.adapter_params}: must be >= 0")
+        for name, least in (("micro_batch_size", 1), ("seq_tokens", 1), ("tensor_parallel", 1), ("hf_batch_rows", 1),
+                            ("adapter_params", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"MemoryInputs.{name}={getattr(self, name)}: must be >= {least}")
         for name in ("train_dtype", "engine_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"MemoryInputs.{name}={getattr(self, name)!r}: must be fp32 or bf16")
@@ -187,14 +185,6 @@ class Peak:
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.parts)
-
-
-def trainer_state_bytes(shape: ModelShape, inp: MemoryInputs) -> float:
-    """All trainers' state for the run: 16 B/param (+ 4 for a reference model), or with LoRA the
-    frozen fp32 base (the reference too) and the adapter's 16 B/param."""
-    if inp.adapter_params:
-        return 4.0 * shape.num_params + TRAIN_STATE_BYTES_PER_PARAM * inp.adapter_params
-    return train_state_bytes(shape.num_params, reference=inp.reference)
 
 
 def device_overhead_bytes() -> float:
@@ -260,26 +250,20 @@ def trainer_peak(shape: ModelShape, inp: MemoryInputs, num_train: int) -> Peak:
     w = max(1, int(num_train))
     e = DTYPE_BYTES[inp.train_dtype]
     n = float(shape.num_params)
-    a = float(inp.adapter_params)
+    a = float(inp.adapter_params)  # LoRA: only the adapter has gradients and moments
     act = activation_bytes(shape, inp, checkpointing=inp.activation_checkpointing)
     gathered = shape.root_params * e + 2 * shape.layer_params * e
-    if a:  # LoRA: only the adapter has gradients (spread over the blocks); the base has none
-        grads_unsharded = a / shape.num_layers * (e + (4 if e != 4 else 0))
-    else:
-        grads_unsharded = shape.root_params * e + shape.layer_params * (e + (4 if e != 4 else 0))
+    grads_unsharded = (a / shape.num_layers * (e + (4 if e != 4 else 0)) if a
+                       else shape.root_params * e + shape.layer_params * (e + (4 if e != 4 else 0)))
     fwd_bwd = gathered + grads_unsharded + act + logits_bytes(shape, inp)
     # roles/train_state.adamw_update_ on the largest local shard: the clipped gradient (grad * coef),
     # exp_avg_sq.sqrt() and its division by the bias correction are alive at once: 3 fp32 temporaries.
     # With LoRA the optimizer and the weight sync touch the adapter's tensors only (each <= a).
-    largest = min(shape.largest_param, a) if a else shape.largest_param
-    optim = 3 * 4 * largest / w
-    sync = 4 * largest + (min(shape.staging_bytes(DTYPE_BYTES[inp.engine_dtype]), 2 * DTYPE_BYTES[inp.engine_dtype] * a)
-                          if a else shape.staging_bytes(DTYPE_BYTES[inp.engine_dtype]))
-    if a:
-        parts: list[tuple[str, float]] = [
-            ("parameters", 4 * (n + a) / w), ("gradients", 4 * a / w), ("moments", 8 * a / w)]
-    else:
-        parts = [("parameters", 4 * n / w), ("gradients", 4 * n / w), ("moments", 8 * n / w)]
+    largest = min(shape.largest_param, a or shape.largest_param)
+    staged = min(shape.staging_bytes(DTYPE_BYTES[inp.engine_dtype]), 2 * DTYPE_BYTES[inp.engine_dtype] * a or math.inf)
+    optim, sync = 3 * 4 * largest / w, 4 * largest + staged
+    parts: list[tuple[str, float]] = [("parameters", 4 * (n + a) / w), ("gradients", 4 * (a or n) / w),
+                                      ("moments", 8 * (a or n) / w)]
     if inp.reference and not a:  # with LoRA the reference is the base with the adapter disabled
         parts.append(("reference", REFERENCE_BYTES_PER_PARAM * n / w))
     if fwd_bwd >= max(optim, sync):
@@ -327,7 +311,9 @@ def op_peaks(shape: ModelShape, inp: MemoryInputs, hbm_bytes: float, num_train: 
     """Peak bytes of one device in each resize op at a split with `num_train` trainers
     (docs/resize.md's ops; the moves are to and from this split)."""
     w = max(1, int(num_train))
-    state = trainer_state_bytes(shape, inp)
+    from dynaresize.costmodel.lora import trainer_bytes  # LoRA: the frozen base and the adapter's state
+    n, a = shape.num_params, inp.adapter_params
+    state = trainer_bytes(n, a) if a else train_state_bytes(n, reference=inp.reference)
     base = ("context_comms", device_overhead_bytes())
     staging = ("reshard_staging", float(inp.reshard_staging_bytes))
     parked = (("parked_engine", PARKED_ENGINE_BYTES),) if inp.engine_release == "park" else ()
