@@ -4,8 +4,9 @@
   (wire names, roles/lora.py); the base weights stay the model's.
 - Deterministic mode: the adapter and its moments after 3 steps are bit-identical at W = 1 and
   W = 2 (frozen base and trainable adapter in the same FSDP units).
-- A reshard W=2 -> W=1 moves the adapter only (bytes: its fp64 master), the new trainer fills
-  its base from the initial weights, and training continues as it would have at W=2.
+- A reshard W=2 -> W=1 moves the adapter and its moments only (bytes: rank 1's rows of the
+  fp64 master and two fp64 moments), the new trainer fills its base from the initial weights,
+  and training continues as it would have at W=2.
 - The step-0 adapter is the seed's (`initial_adapter`): lora_B zero, lora_A the same everywhere.
 """
 
@@ -163,11 +164,9 @@ def test_reshard_moves_only_the_adapter_and_training_continues(runs):
     spec = _spec()
     from dynaresize.roles.lora_model import adapter_specs
 
-    numel = sum(torch.Size(s).numel() for _, s in adapter_specs(spec.model, spec.lora))
     r0, r1 = _load(runs, "reshard"), _load(runs, "reshard-r1")
     # rank 0 receives rank 1's rows of the adapter and its two moments (fp64: deterministic), nothing else
     rows_of_1 = sum((s[0] - -(-s[0] // 2)) * torch.Size(s[1:]).numel() for _, s in adapter_specs(spec.model, spec.lora))
-    print("reshard stats", r0["stats"], r1["stats"], "adapter numel", numel, "rank 1 holds", rows_of_1)
     assert r0["stats"]["bytes_received"] == rows_of_1 * 8 * 3
     assert r1["stats"]["bytes_received"] == 0
     straight = _load(runs, "w2-next")
