@@ -72,6 +72,11 @@ def test_the_step_call_carries_the_request_and_the_main_thread_issues_nothing(mo
     (row,) = [e for e in emitted if e["kind"] == "snapshot"]
     assert (row["step"], row["snapshot_kind"], row["cause"], row["bytes"]) == (1, "params", "step", 32)
     assert row["critical_s"] >= 0 and row["collector_s"] >= 0
+    threads = snaps._collector.threads
+    snaps.finish()  # the run's end: the collector's threads end too
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
 
 
 def test_a_step_call_without_the_request_falls_back_to_the_main_thread(monkeypatch):
