@@ -15,12 +15,23 @@ fp32, as `rl.models.build_model` would hold them.
   built-in model is tiny by construction (a few to a few tens of MB), so that copy is not the
   problem this module solves; its rows are the old path's bit for bit.
 
+Under `train.lora` (roles/lora_model.py) every trainer built for a move, a recovery or a resume
+fills its frozen base rows again, on the move's critical path: `shared_initial_weights` is the
+one `InitialWeights` a process keeps for that (per model config, one entry), so the base is
+read, not rebuilt: a folder's safetensors stay open (mmapped: a build reads its rows from the
+page cache) and the built-in model is initialised once per process and then sliced. What it
+keeps in host memory: for a folder, the shapes and the open files (the pages are the OS's
+cache, shared by the node's workers); for the built-in model, its fp32 weights, 4 B/param per
+worker process (5 MB for the default tiny model, 168 MB for the bench's 42M one). A LoRA
+trainer and engine start from it, so the first move finds it filled.
+
 Invariant: for every parameter, the concatenation of `rows` over a partition of its rows equals
 `build_model(cfg)`'s tensor bitwise (tests/dist/test_trainer_meta_init.py).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -34,12 +45,15 @@ class InitialWeights:
     """Rows of the initial parameters of `model_cfg`'s policy (see the module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
-                 aliases: dict[str, str] | None = None) -> None:
+                 aliases: dict[str, str] | None = None, record: bool = True) -> None:
         """`shapes`: name -> shape of every trainable parameter; `aliases`: state-dict key ->
-        the parameter it is tied to (`rl.models.tied_aliases`)."""
+        the parameter it is tied to (`rl.models.tied_aliases`); `record`: keep `rows_read`
+        (off for the process's long-lived one, which it would grow without bound)."""
         self.model_cfg = model_cfg
         self.shapes = dict(shapes)
+        self.record = record
         self.rows_read: list[tuple[str, int, int]] = []  # (name, lo, hi) of every read
+        self._open: dict[str, object] = {}  # file -> its safe_open handle (mmapped), opened on first read
         self._full: dict[str, torch.Tensor] | None = None
         self._files = _safetensors_keys(model_cfg.path) if model_cfg.path else None
         self._keys: dict[str, tuple[str, str]] = {}  # parameter -> (file, key)
@@ -56,11 +70,12 @@ class InitialWeights:
                 self._keys[name] = hit
 
     @classmethod
-    def of(cls, model_cfg: ModelConfig, model: torch.nn.Module) -> "InitialWeights":
+    def of(cls, model_cfg: ModelConfig, model: torch.nn.Module, *, record: bool = True) -> "InitialWeights":
         """For the parameters of `model` (a meta-device skeleton of the policy)."""
         from dynaresize.rl.models import tied_aliases
 
-        return cls(model_cfg, {n: tuple(p.shape) for n, p in model.named_parameters()}, tied_aliases(model))
+        return cls(model_cfg, {n: tuple(p.shape) for n, p in model.named_parameters()}, tied_aliases(model),
+                   record=record)
 
     @property
     def whole(self) -> bool:
@@ -69,14 +84,22 @@ class InitialWeights:
 
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows `[lo, hi)` of parameter `name`, fp32, a fresh tensor."""
-        self.rows_read.append((name, int(lo), int(hi)))
+        if self.record:
+            self.rows_read.append((name, int(lo), int(hi)))
         if self.whole:
             return self._whole()[name][lo:hi].clone()
         from safetensors import safe_open
 
         file, key = self._keys[name]
-        with safe_open(file, framework="pt") as f:
-            return f.get_slice(key)[lo:hi].to(torch.float32)
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="pt")
+        return self._open[file].get_slice(key)[lo:hi].to(torch.float32)
+
+    def warm(self) -> "InitialWeights":
+        """Do now what the first `rows` would (the built-in model's build), off a move's path."""
+        if self.whole:
+            self._whole()
+        return self
 
     def _whole(self) -> dict[str, torch.Tensor]:
         if self._full is None:
@@ -91,6 +114,15 @@ def initial_weights(model_cfg: ModelConfig) -> InitialWeights:
     from dynaresize.roles.train_spec import empty_model
 
     return InitialWeights.of(model_cfg, empty_model(model_cfg))
+
+
+@functools.lru_cache(maxsize=1)
+def shared_initial_weights(model_cfg: ModelConfig) -> InitialWeights:
+    """This process's long-lived `InitialWeights` of `model_cfg` (module docstring: what a LoRA
+    trainer rebuilt for a move fills its base from; one model config kept at a time)."""
+    from dynaresize.roles.train_spec import empty_model
+
+    return InitialWeights.of(model_cfg, empty_model(model_cfg), record=False)
 
 
 def _safetensors_keys(path: str | None) -> dict[str, dict[str, list[int]]] | None:

@@ -13,9 +13,11 @@ trainer state, and the names that cross the wire (roles/lora.py).
   (kaiming-uniform, a = sqrt(5)) from a generator seeded by the run seed, `lora_B` zero (so
   the policy starts as the base).
 - `LoraRows`: the rows of the wrapped model's parameters for `initial_weights.fill_shards`:
-  base rows from the model folder or the initial weights (`InitialWeights`, every time a
-  trainer is built: a base never moves), adapter rows from `initial_adapter` (or none: a
-  trainer built for a reshard or restore gets its adapter from there).
+  base rows from the model folder or the initial weights every time a trainer is built (a
+  base never moves), read from the process's kept `shared_initial_weights` (the built-in model
+  is initialised once per process, at start, not on a move's critical path), adapter rows from
+  `initial_adapter` (or none: a trainer built for a reshard or restore gets its adapter from
+  there).
 - `merged_state` / `save_adapter`: the HF export (the merged model, `AdapterMerge`'s arithmetic)
   and the adapter in peft's layout (adapter_model.safetensors, adapter_config.json).
 
@@ -149,11 +151,16 @@ def trainer_rows(spec: Any, init_model: Any) -> LoraRows:
     `init_model` (`InitialWeights`, a whole module, or None: the run's initial weights) and
     the step-0 adapter when `init_model` is given (None: the adapter comes from a reshard or
     a restore)."""
-    from dynaresize.roles.initial_weights import initial_weights
+    from dynaresize.roles.initial_weights import InitialWeights, shared_initial_weights
 
-    if init_model is None:
-        return LoraRows(initial_weights(spec.model), None)
-    base = ModuleRows(init_model) if isinstance(init_model, nn.Module) else init_model
+    if init_model is None:  # a rebuild (a move, a recovery, a resume): the process's kept base, read not rebuilt
+        return LoraRows(shared_initial_weights(spec.model), None)
+    if isinstance(init_model, nn.Module):
+        base: Any = ModuleRows(init_model)
+    elif isinstance(init_model, InitialWeights) and init_model.model_cfg == spec.model:
+        base = shared_initial_weights(spec.model).warm()  # the same rows; kept for the rebuilds to come
+    else:
+        base = init_model
     return LoraRows(base, initial_adapter(adapter_specs(spec.model, spec.lora), spec.seed))
 
 

@@ -122,9 +122,9 @@ class HFRolloutEngine:
     def _load_adapter(self, named: Iterable[tuple[str, Any]]) -> None:
         """LoRA: merge each module whose adapter halves arrived into the base and load it."""
         if self._merge is None:
-            from dynaresize.roles.initial_weights import initial_weights
+            from dynaresize.roles.initial_weights import shared_initial_weights
 
-            base = initial_weights(self.model_cfg)  # rows of the model folder (or the built-in init), fp32
+            base = shared_initial_weights(self.model_cfg)  # the folder's rows (or the built-in init), fp32; kept
             self._merge = AdapterMerge(rank=self.lora.rank, alpha=self.lora.alpha, dtype=self.dtype,
                                        read_base=lambda n: base.rows(n, 0, base.shapes[n][0]))
         params = dict(self._model.named_parameters())

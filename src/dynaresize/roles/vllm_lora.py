@@ -171,9 +171,9 @@ def start_lora(llm: Any, lora_cfg: Any, dtype: torch.dtype, model_cfg: Any,
                shapes: Mapping[str, tuple[int, ...]]) -> EngineLora:
     """The engine's LoRA state, once its engine started from the model's weights; the base is
     read as the trainers read theirs (`initial_weights`: nothing is read until a merge needs it)."""
-    from dynaresize.roles.initial_weights import initial_weights
+    from dynaresize.roles.initial_weights import shared_initial_weights
 
-    base = initial_weights(model_cfg)
+    base = shared_initial_weights(model_cfg)  # the process's kept one: a trainer built here later reads it too
 
     def read_base(name: str) -> torch.Tensor:
         if name not in base.shapes:
