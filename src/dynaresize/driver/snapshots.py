@@ -12,8 +12,9 @@ waits for it (its `snap_wait_s`). The arrays go to the object store of the train
 from the worker's `snap` thread (`snapshot_take`: task results owned by the driver, so they
 outlive the trainer's process; full ones also get a holder on another node on multi-node runs,
 cluster/snapshot.py). The driver issues those `snapshot_take` calls and waits for their small
-meta results on a driver thread of its own (`_Collector`), not the main thread: the main thread
-only hands the version over and later finds it done (`poll`); it never holds the arrays.
+meta results on threads of its own (driver/snapshot_collect.py), not the main thread: the
+main thread only hands the version over and later finds it done (`poll`); it never holds the
+arrays. The streaming router's thread may complete a version too (a weight pull): `_lock`.
 A call without the request (a replayed version a rollout needs: `params_now`) falls back to
 `snapshot_begin` + `snapshot_take` issued by the main thread.
 
@@ -42,7 +43,6 @@ Invariants:
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -52,6 +52,8 @@ import ray
 
 from dynaresize.cluster import snapshot
 from dynaresize.costmodel.snapshot_interval import expected_replay_steps, snapshot_every
+from dynaresize.driver.snapshot_collect import Collector as _Collector
+from dynaresize.driver.snapshot_collect import Flag as _Flag
 from dynaresize.driver.console import say
 from dynaresize.pipeline.stepstate import rollout_version
 
@@ -76,90 +78,6 @@ class _Pending:
     error: BaseException | None = None
     collector_s: float = 0.0  # the collector thread's time to issue the calls (off the main thread)
     snap: snapshot.Snapshot | None = None  # built by the collector once the metas are in
-
-
-class _Flag:
-    """A one-shot event on a bare lock: made and checked on the main thread in well under a
-    microsecond (a `threading.Event` costs ~8 us to make here, most of the hand-over)."""
-
-    __slots__ = ("_lock", "_set")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._set = False
-
-    def set(self) -> None:
-        if not self._set:
-            self._set = True
-            self._lock.release()
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if self._set:
-            return True
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            return False
-        self._lock.release()
-        return True
-
-
-class _Collector:
-    """A driver thread that issues a started snapshot's `snapshot_take` calls (results owned by
-    the driver process, like any call it makes) and a second that waits for their small meta
-    results, so neither the issue nor the wait sits on the main thread. Two threads: a wait that
-    hangs (a trainer that stopped answering, until the recovery kills it) never holds up the
-    issue of the next snapshot's calls. Daemon threads: a wait left at exit ends with the process."""
-
-    def __init__(self) -> None:
-        self._issue: queue.SimpleQueue = queue.SimpleQueue()  # a C queue: put costs ~0.04 us, not ~9
-        self._wait: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = (threading.Thread(target=self._issuer, name="snapshot-issue", daemon=True),
-                        threading.Thread(target=self._waiter, name="snapshot-wait", daemon=True))
-        for t in self.threads:
-            t.start()
-
-    def submit(self, p: _Pending, workers: list) -> None:
-        p.issued, p.done = _Flag(), _Flag()
-        self._issue.put((p, list(workers)))
-
-    def close(self) -> None:
-        """Let both threads end (once what was handed over is done)."""
-        self._issue.put(None)
-
-    def _issuer(self) -> None:
-        while True:
-            item = self._issue.get()
-            if item is None:
-                self._wait.put(None)
-                return
-            p, workers = item
-            t0 = time.perf_counter()
-            try:
-                calls = [workers[d].snapshot_take.remote(p.version) for d in p.devices]
-                p.metas, p.params, p.others = [c[0] for c in calls], [c[1] for c in calls], [c[2] for c in calls]
-            except BaseException as exc:  # noqa: BLE001 - the main thread's complete() raises it
-                p.error = exc
-                p.done.set()
-            p.collector_s = time.perf_counter() - t0
-            p.issued.set()
-            if p.error is None:
-                self._wait.put(p)
-
-    def _waiter(self) -> None:
-        while True:
-            p = self._wait.get()
-            if p is None:
-                return
-            try:
-                p.result = ray.get(p.metas)
-                p.snap = snapshot.Snapshot(version=p.version, metas=p.result, params=p.params,
-                                           others=p.others if p.kind == "full" else None)
-            except BaseException as exc:  # noqa: BLE001 - a lost trainer: complete() waits with the watchdog
-                p.error = exc
-            p.done.set()
 
 
 @dataclass
@@ -187,6 +105,7 @@ class Snapshots:
         self._t_prev: float | None = None
         self._started: tuple[int, str] | None = None  # (version, kind) every trainer's step call began
         self._collector: _Collector | None = None
+        self._lock = threading.RLock()  # completing a version: the main thread or the streaming router's
 
     # ------------------------------------------------------------------ mapping
 
@@ -300,7 +219,13 @@ class Snapshots:
     def complete(self, version: int) -> snapshot.Snapshot:
         """Wait for the pending snapshot of `version` (the watchdog's wait: a lost trainer raises
         `DevicesLost`) and make it usable."""
-        p = self.pending[version]
+        with self._lock:  # the streaming router's thread reads versions too (its weight pulls)
+            if version not in self.pending:
+                return self.done[version]  # completed by the other thread meanwhile
+            return self._complete(self.pending[version])
+
+    def _complete(self, p: _Pending) -> snapshot.Snapshot:
+        version = p.version
         t0 = time.perf_counter()
         if p.done is not None and p.done.is_set() and p.error is None:
             metas = p.result  # the collector has them: no call from this thread
@@ -342,7 +267,15 @@ class Snapshots:
 
     def poll(self) -> None:
         """Complete the pending snapshots whose results are all in (no waiting); emit the records
-        of those whose optimizer wait is known."""
+        of those whose optimizer wait is known. Skipped while another thread completes one."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._poll()
+        finally:
+            self._lock.release()
+
+    def _poll(self) -> None:
         for v in sorted(self.pending):
             p = self.pending[v]
             if p.done is not None:
@@ -359,9 +292,10 @@ class Snapshots:
 
     def settle(self) -> None:
         """Every pending snapshot complete (before the trainers' state moves: a resize, the end)."""
-        for v in sorted(self.pending):
-            self.complete(v)
-        self._emit(final=False)
+        with self._lock:
+            for v in sorted(self.pending):
+                self.complete(v)
+            self._emit(final=False)
 
     def finish(self, *, settle: bool = True) -> None:
         """The run ends: every snapshot's record out (`settle`: the pending ones completed first)."""
