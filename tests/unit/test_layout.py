@@ -2,8 +2,8 @@
 
 `lint-imports` (run by `make test` before pytest) checks the layer contracts in pyproject.toml
 package by package; these tests check what a contract cannot state: no import circle between
-any two modules, a small top level, modules that read in one sitting, and every package named
-by a contract (so a new package cannot slip past the linter).
+any two modules, a small top level, modules that read in one sitting, every package named
+by a contract (so a new package cannot slip past the linter), and test files of distinct names.
 """
 
 from __future__ import annotations
@@ -97,6 +97,15 @@ def test_no_module_over_400_lines():
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert long == {}
+
+
+def test_test_files_have_unique_basenames():
+    """pytest imports test files by basename (rootdir mode, no __init__.py): two files of one name
+    in different folders stop the whole collection."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
 
 
 def test_every_package_is_named_by_a_layer_contract():

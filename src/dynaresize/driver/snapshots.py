@@ -1,22 +1,19 @@
 """The run's in-memory snapshots: full every K steps, parameters between, off the step's path.
 
-After step s's optimizer step the trainers start a host copy of version s+1 (cluster/
-worker_recovery.py `snapshot_begin`): every kind (parameters, moments, reference) when s+1 is a
-multiple of K, a checkpoint boundary or the run's end ("full"), the parameters only otherwise
-("params": enough to serve rollout pulls and the engines' weights after a loss). The request
-rides on the step's own training call (`request`: the `snapshot` argument of the trainers'
-`train` / last `train_part`), which starts the copy right after the optimizer step, so no call
-of its own sits on the step's path. The copy runs on a copy thread of each trainer, overlapped
-with what follows (sync, scoring, the next step's forward and backward); the next optimizer step
-waits for it (its `snap_wait_s`). The arrays go to the object store of the trainer's own node
-from the worker's `snap` thread (`snapshot_take`: task results owned by the driver, so they
-outlive the trainer's process; full ones also get a holder on another node on multi-node runs,
-cluster/snapshot.py). The driver issues those `snapshot_take` calls and waits for their small
-meta results on threads of its own (driver/snapshot_collect.py), not the main thread: the
-main thread only hands the version over and later finds it done (`poll`); it never holds the
-arrays. The streaming router's thread may complete a version too (a weight pull): `_lock`.
-A call without the request (a replayed version a rollout needs: `params_now`) falls back to
-`snapshot_begin` + `snapshot_take` issued by the main thread.
+After step s's optimizer step the trainers start a host copy of version s+1: every kind
+(parameters, moments, reference) when s+1 is a multiple of K, a checkpoint boundary or the run's
+end ("full"), the parameters only otherwise ("params": enough to serve rollout pulls and the
+engines' weights after a loss). The request rides on the step's own training call (the
+`snapshot` argument of the trainers' `train` / last `train_part`), so no call of its own sits on
+the step's path; the copy runs on a copy thread of each trainer, overlapped with what follows,
+and the next optimizer step waits for it (`snap_wait_s`). The arrays go to the object store of
+the trainer's node (`snapshot_take`, cluster/worker_recovery.py: results owned by the driver, so
+they outlive the trainer; full ones get a holder on another node on multi-node runs). The
+driver issues those calls and waits for their small metas on its own threads
+(driver/snapshot_collect.py): the main thread only hands the version over and later finds it
+done (`poll`), never holding the arrays; the streaming router's thread may complete a version
+too (`_lock`). A call without the request (a replayed version: `params_now`) falls back to
+`snapshot_begin` + `snapshot_take` from the main thread.
 
 Recovery by replay: the scored samples of every step since the last full snapshot are kept
 (`replay`: small, prompt and response tokens); on a loss the trainers restore the last full
@@ -30,15 +27,13 @@ Invariants:
 - a full snapshot counts (`latest_full`) only once complete (every shard in the object store,
   replicas pinned); the replay log keeps every step from the latest full one on, so the state
   after any trained step is recoverable: the latest full snapshot plus its replay;
-- the copy of version v reads version v: `snapshot_begin` runs on the trainers' issuing thread
-  between the steps, and the next step's optimizer (or a resize: `settle`) waits for it;
+- the copy of version v reads version v: it starts right after the optimizer step that made v,
+  and the next step's optimizer (or a resize: `settle`) waits for it;
 - the object store holds one full snapshot (an older one keeps its parameters only once a newer
   one is complete) and the parameter versions a window needs;
-- one `snapshot` record per snapshot: step (its version), snapshot_kind, bytes, seconds (the
-  copy, slowest trainer), critical_s: everything the snapshot puts on the step's path, i.e. the
-  driver main thread's time for it (the hand-over to the collector, the check and commit when
-  done, any blocking wait) plus the optimizer's wait for the copy; `collector_s`, the collector
-  thread's issue time (off the main thread, reported, not counted: docs/faults.md says why).
+- one `snapshot` record per snapshot (docs/records.md): critical_s is everything it puts on the
+  step's path (the main thread's hand-over, commit and any blocking wait, plus the optimizer's
+  wait for the copy); the collector threads' time (`collector_s`) is off that path.
 """
 
 from __future__ import annotations
@@ -107,8 +102,6 @@ class Snapshots:
         self._collector: _Collector | None = None
         self._lock = threading.RLock()  # completing a version: the main thread or the streaming router's
 
-    # ------------------------------------------------------------------ mapping
-
     def __getitem__(self, version: int) -> snapshot.Snapshot:
         if version in self.pending:
             self.complete(version)
@@ -129,8 +122,6 @@ class Snapshots:
 
     def latest_full(self) -> int:
         return max(v for v, s in self.done.items() if s.others is not None)
-
-    # ------------------------------------------------------------------ taking
 
     def start(self, version: int, devices: tuple[int, ...]) -> None:
         """The blocking full snapshot at the run's start (or resume): its cost sets K."""
@@ -314,8 +305,6 @@ class Snapshots:
             snapshot.load_rollout(run.cluster, self[version])
             run.engine_version = version
 
-    # ------------------------------------------------------------------ after a loss
-
     def after_loss(self, down: set[str]) -> list[int]:
         """Before the survivors re-form (ranks of the lost generation), drop what a loss broke: pending snapshots with a lost trainer (their results never come)
         and parameters-only ones with a shard on a dead node (not replicated). Returns the versions
@@ -358,8 +347,6 @@ class Snapshots:
         self.begin(version, devices, "params")
         self.complete(version)
         self.rows[version].fields["cause"] = "recovery"
-
-    # ------------------------------------------------------------------ upkeep and outputs
 
     def prune(self, keep_from: int) -> None:
         """Drop completed versions below `keep_from`, except the latest full one and the weight
