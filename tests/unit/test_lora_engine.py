@@ -111,6 +111,17 @@ def test_target_modules_that_match_nothing_name_the_field():
     assert str(info.value).startswith("train.lora.target_modules='nothing_proj': ") and "\n" not in str(info.value)
 
 
+def test_a_run_with_such_targets_exits_2_in_one_line_and_writes_nothing(tmp_path, capsys):
+    from dynaresize.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", "--no-progress", "--set", "train.lora.rank=2", "--set",
+                 "train.lora.target_modules=nothing_proj", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dynaresize: config error: train.lora.target_modules='nothing_proj': ") and "\n" not in err
+    assert not out.exists()  # refused before the run folder (commands/run.py)
+
+
 def test_fused_experts_are_refused_and_linear_targets_of_an_moe_model_are_not(tmp_path):
     import sys
     from pathlib import Path

@@ -149,6 +149,10 @@ def main(args: argparse.Namespace) -> int:
         from dynaresize.roles.engine_map import check_engine_map
 
         check_engine_map(cfg)  # vLLM: a module type its weight path cannot map (exit 2, nothing written)
+    if cfg.train.lora is not None:
+        from dynaresize.roles.lora_model import adapter_specs
+
+        adapter_specs(cfg.model, cfg.train.lora)  # peft on the meta model: targets that match nothing (exit 2, nothing written)
     from dynaresize.commands.memory_plan import check_at_start
 
     cfg = check_at_start(cfg)  # CUDA: a starting split that does not fit is exit 2; bounds keep splits that fit
