@@ -118,6 +118,20 @@ def _same_state(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) if k != "step" else a[k] == b[k] for k in a)
 
 
+def _state_preserved(cluster, ref_dir: Path, end_dir: Path, numel: int) -> bool:
+    """Checkpoint the trainer state after the moves and compare it with `ref_dir`'s (before)."""
+    cluster.save_checkpoint(str(end_dir))
+    return _same_state(_read_state(ref_dir, numel), _read_state(end_dir, numel))
+
+
+def _close(cluster, bench: "_Bench", *dirs: Path) -> None:
+    """Stop the workers, close the records and remove the state checkpoints `dirs`."""
+    cluster.stop()
+    bench.recorder.close()
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 class _Bench:
     """The run's state: cluster, counters, measured resizes (see the module docstring)."""
 
@@ -233,13 +247,9 @@ def run_lora(*, devices: int, model: dict, repeats: int, out: Path, staging_byte
                 print(f"  {'(warm-up)' if trip == 0 else 'LoRA     '} {r['direction']:15s}: critical {r['critical_s']:.3f} s, "
                       f"total {r['total_s']:.3f} s, {fmt_bytes(sum(op.get('bytes', 0) for op in r['ops']))} moved",
                       flush=True)
-        cluster.save_checkpoint(str(end_dir))
-        preserved = _same_state(_read_state(ref_dir, numel), _read_state(end_dir, numel))
+        preserved = _state_preserved(cluster, ref_dir, end_dir, numel)
     finally:
-        cluster.stop()
-        bench.recorder.close()
-        for d in (ref_dir, end_dir):
-            shutil.rmtree(d, ignore_errors=True)
+        _close(cluster, bench, ref_dir, end_dir)
     return {"rank": rank, "target_modules": list(cfg.train.lora.target_modules), "numel": numel,
             "resizes": bench.resizes, "state_preserved": preserved}
 
@@ -306,13 +316,9 @@ def run_bench(*, devices: int, num_params: float, repeats: int, out: Path, bound
             if last:
                 warm = _warm_reload(cluster, Path(n.checkpoint_dir), bench.step)
                 shutil.rmtree(n.checkpoint_dir, ignore_errors=True)
-        cluster.save_checkpoint(str(end_dir))
-        preserved = _same_state(_read_state(ref_dir, numel), _read_state(end_dir, numel))
+        preserved = _state_preserved(cluster, ref_dir, end_dir, numel)
     finally:
-        cluster.stop()
-        bench.recorder.close()
-        for d in (ref_dir, end_dir):
-            shutil.rmtree(d, ignore_errors=True)
+        _close(cluster, bench, ref_dir, end_dir)
     summary = summarize(bench, numel, bounds, primary, start_s, warm, preserved, repeats)
     if lora_rank:
         seg = run_lora(devices=devices, model=model, repeats=repeats, out=out, staging_bytes=primary, rank=lora_rank,

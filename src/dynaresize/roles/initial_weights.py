@@ -95,6 +95,12 @@ class InitialWeights:
             self._open[file] = safe_open(file, framework="pt")
         return self._open[file].get_slice(key)[lo:hi].to(torch.float32)
 
+    def param(self, name: str) -> torch.Tensor:
+        """Parameter `name` whole, fp32 (a LoRA engine's base for a merge: roles/lora.py)."""
+        if name not in self.shapes:
+            raise KeyError(f"the policy has no weight {name!r} (a LoRA target's base)")
+        return self.rows(name, 0, self.shapes[name][0])
+
     def warm(self) -> "InitialWeights":
         """Do now what the first `rows` would (the built-in model's build), off a move's path."""
         if self.whole:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from dynaresize.config import ALL_LINEAR, LoraConfig, ModelConfig
-from dynaresize.roles.lora import LORA_HALVES, AdapterMerge, parse_adapter_name
+from dynaresize.roles.lora import LORA_HALVES, AdapterMerge
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_DIR = "adapter"  # the export's adapter folder (beside config.json, not in it: transformers would
@@ -195,11 +195,6 @@ def save_adapter(model_cfg: ModelConfig, lora: LoraConfig, adapter: Mapping[str,
                for name, t in adapter.items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-def is_adapter(name: str) -> bool:
-    """A wire name of an adapter tensor."""
-    return parse_adapter_name(name) is not None
 
 
 def export_model(model_cfg: ModelConfig, lora: LoraConfig | None, weights: Mapping[str, torch.Tensor]) -> nn.Module:

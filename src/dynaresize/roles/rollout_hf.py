@@ -126,7 +126,7 @@ class HFRolloutEngine:
 
             base = shared_initial_weights(self.model_cfg)  # the folder's rows (or the built-in init), fp32; kept
             self._merge = AdapterMerge(rank=self.lora.rank, alpha=self.lora.alpha, dtype=self.dtype,
-                                       read_base=lambda n: base.rows(n, 0, base.shapes[n][0]))
+                                       read_base=base.param)
         params = dict(self._model.named_parameters())
         with torch.no_grad():
             for name, merged in self._merge.feed(named):

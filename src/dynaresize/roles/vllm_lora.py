@@ -174,13 +174,7 @@ def start_lora(llm: Any, lora_cfg: Any, dtype: torch.dtype, model_cfg: Any,
     from dynaresize.roles.initial_weights import shared_initial_weights
 
     base = shared_initial_weights(model_cfg)  # the process's kept one: a trainer built here later reads it too
-
-    def read_base(name: str) -> torch.Tensor:
-        if name not in base.shapes:
-            raise KeyError(f"the policy has no weight {name!r} (a LoRA target's base)")
-        return base.rows(name, 0, base.shapes[name][0])
-
-    return EngineLora(rank=int(lora_cfg.rank), alpha=float(lora_cfg.alpha), dtype=dtype, read_base=read_base,
+    return EngineLora(rank=int(lora_cfg.rank), alpha=float(lora_cfg.alpha), dtype=dtype, read_base=base.param,
                       shapes=shapes, packed=llm.collective_rpc(_rpc_packed)[0])
 
 
